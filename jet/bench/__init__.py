@@ -1,0 +1,1 @@
+"""Benchmarks (`jet bench ...`): each prints ratios against a baseline measured in the same run."""

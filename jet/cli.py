@@ -1,0 +1,80 @@
+"""The `jet` command line.
+
+Subcommands live in the modules that implement them and are imported only when
+invoked (`LazyGroup`), so `jet --help` never imports torch or redis.
+CLI paths match config paths: `jet worker env`, `jet train`, `jet bench queue`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import click
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are `module:attribute` strings, imported on use."""
+
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})  # name -> (import path, one-line help)
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            module, attr = self.lazy[name][0].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx, formatter):
+        # Help text from the table, so listing commands imports nothing.
+        rows = [(n, self.lazy[n][1]) for n in sorted(self.lazy)]
+        rows += [(n, c.get_short_help_str()) for n, c in sorted(self.commands.items())]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(sorted(rows))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "server": ("jet.queues.server:cli", "Run the embedded Valkey server (AOF on) and print its URL."),
+        "enqueue": ("jet.enqueue:cli", "Write dataset rows as Task messages to tasks:<task>."),
+        "status": ("jet.status:cli", "Show every stream of a run: length, pending, lag, consumers."),
+        "dlq": ("jet.status:dlq", "List, requeue or drop dead letters."),
+        "up": ("jet.up:cli", "Run everything on this machine (embedded Redis + roles)."),
+        "bench": ("jet.cli:bench", "Benchmarks that print ratios against an in-run baseline."),
+        "model": ("jet.models:cli", "Build tiny local models and tokenizers."),
+    },
+)
+@click.option("--log-level", default=lambda: os.environ.get("JET_LOG_LEVEL", "INFO"), show_default="INFO")
+@click.version_option(package_name="jet-rl")
+def main(log_level: str) -> None:
+    """Jet: swarm training for LLM agents over Redis Streams."""
+    setup_logging(log_level)
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "queue": ("jet.bench.queue:cli", "Raw XADD rate vs the full consumer hop."),
+        "merge": ("jet.bench.merge:cli", "Tokens and train time: none vs exact vs tree merging."),
+    },
+)
+def bench() -> None:
+    """Benchmarks; each prints a ratio against a baseline measured in the same run."""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Every Redis key name Jet uses, built in one place.
+
+All keys of one run share the hash tag `{<run>}` so every multi-key atomic step
+(ack + produce + marker) lands in one slot on Redis Cluster. No other module
+writes a key name as a string literal.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+# Consumer group names, one per role that reads a stream.
+GROUP_ENV = "env"
+GROUP_INFER = "infer"
+GROUP_TRAINER = "trainer"
+
+
+def check_name(kind: str, value: str) -> str:
+    """Reject names that would break the key layout (':' '{' '}' or spaces)."""
+    if not _NAME.match(value or ""):
+        raise ValueError(f"{kind} name {value!r} must match [A-Za-z0-9_.-]+")
+    return value
+
+
+class Keys:
+    """Key names for one run: `Keys("demo").tasks("guess") == "jet:{demo}:tasks:guess"`."""
+
+    __slots__ = ("run", "prefix")
+
+    def __init__(self, run: str):
+        self.run = check_name("run", run)
+        self.prefix = f"jet:{{{run}}}:"
+
+    def tasks(self, task: str) -> str:
+        return f"{self.prefix}tasks:{check_name('task', task)}"
+
+    def gen(self, model: str) -> str:
+        return f"{self.prefix}gen:{check_name('model', model)}"
+
+    def reply(self, client: str) -> str:
+        return f"{self.prefix}reply:{check_name('client', client)}"
+
+    def traj(self, model: str) -> str:
+        return f"{self.prefix}traj:{check_name('model', model)}"
+
+    def weights(self, model: str) -> str:
+        return f"{self.prefix}weights:{check_name('model', model)}"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}dead"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}events"
+
+    @property
+    def stats(self) -> str:
+        """Hash of counters (lost work reported by XAUTOCLAIM, dead letters, ...)."""
+        return f"{self.prefix}stats"
+
+    def done_marker(self, group: str, msg_id: str) -> str:
+        """Idempotency marker: set when `group` committed the effects of message `msg_id`."""
+        return f"{self.prefix}done:{group}:{msg_id}"
+
+    def sent_marker(self, msg_id: str) -> str:
+        """Producer dedup marker: set when message `msg_id` was added once."""
+        return f"{self.prefix}sent:{msg_id}"
+
+    def last_error(self) -> str:
+        """Hash `<stream>/<entry id>` -> last handler error, used as the dead-letter reason."""
+        return f"{self.prefix}errors"
+
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this run (the braces are escaped)."""
+        return f"jet:\\{{{self.run}\\}}:*"
+
+    def short(self, key: str) -> str:
+        """`jet:{demo}:tasks:guess` -> `tasks:guess` for display."""
+        return key[len(self.prefix):] if key.startswith(self.prefix) else key
