@@ -110,7 +110,8 @@ class Consumer:
     async def _own(self, count: int) -> list[tuple[str, dict, int]]:
         """Claim our own pending entries to ourselves: counts as a delivery (bumps the count)."""
         pend = await self.r.xpending_range(self.stream, self.group, "-", "+", count, consumername=self.name)
-        pend = [p for p in pend if _s(p["message_id"]) not in self.inflight]
+        queued = {e[0] for e in self.claimed}
+        pend = [p for p in pend if _s(p["message_id"]) not in self.inflight and _s(p["message_id"]) not in queued]
         if not pend:
             self._own_pending = False
             return []
@@ -244,6 +245,9 @@ class Consumer:
         log.warning("%s: %d %s (counted as lost work)", self.keys.short(self.stream), n, what)
 
     def restarted(self) -> None:
-        """After a reconnect: re-read our own pending entries before new ones again."""
+        """After a reconnect: forget local state; the server's PEL is the truth, and our
+        own pending entries are re-read before new ones."""
+        self.inflight.clear()
+        self.claimed.clear()
         self._own_pending = True
 

@@ -1,0 +1,192 @@
+"""One test (or more) per delivery rule of DESIGN.md, against a real server."""
+
+import socket
+import time
+
+import anyio
+import pytest
+
+from jet.queues import codec
+from jet.queues.consumer import consumer_name
+from jet.queues.producer import Producer, safe_trim
+from jet.queues.reaper import Reaper
+from jet.queues.serve import serve
+
+from .helpers import close, entry, make_consumer, read_all
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_rule1_commit_is_atomic_and_effectively_once(redis_url, keys):
+    src, dst = keys.tasks("a"), keys.traj("b")
+    a = await make_consumer(redis_url, keys, src, "a", lease_ms=100)
+    b = await make_consumer(redis_url, keys, src, "b", lease_ms=100)
+    await a.r.xadd(src, entry(1))
+    [da] = await a.fetch()
+    await anyio.sleep(0.2)  # a stalls past its lease; b's reaper takes the message over
+    assert await Reaper(b).reap() == 1
+    [db] = await b.fetch()
+    assert db.deliveries == 2
+    assert await b.commit([(db, [(dst, entry(1, by="b"))])]) == [True]
+    assert await a.commit([(da, [(dst, entry(1, by="a"))])]) == [False]  # the stalled one writes nothing
+    assert [p.meta["by"] for p in await read_all(a.r, dst)] == ["b"]
+    # A redelivered copy of a committed message (same message id) is acked, not redone.
+    await a.r.xadd(src, entry(1))
+    assert await a.fetch() == []
+    assert (await a.r.xpending(src, "g"))["pending"] == 0
+    assert int(await a.r.hget(keys.stats, "duplicates")) == 1
+    await close(a), await close(b)
+
+
+async def test_rule1_commit_retry_after_lost_reply_writes_nothing_twice(redis_url, keys):
+    src, dst = keys.tasks("a"), keys.traj("b")
+    c = await make_consumer(redis_url, keys, src)
+    await c.r.xadd(src, entry(1))
+    [d] = await c.fetch()
+    out = [(d, [(dst, entry(1)), (keys.traj("c"), entry(2))])]
+    assert await c.commit(out) == [True]
+    assert await c.commit(out) == [False]
+    assert await c.r.xlen(dst) == 1 and await c.r.xlen(keys.traj("c")) == 1
+    await close(c)
+
+
+async def test_rule2_own_pending_entries_come_first(redis_url, keys):
+    src = keys.tasks("a")
+    c1 = await make_consumer(redis_url, keys, src, "same", lease_ms=60_000)
+    for i in range(3):
+        await c1.r.xadd(src, entry(i))
+    first = await c1.fetch()
+    assert [d.payload.meta["n"] for d in first] == [0, 1, 2]
+    await close(c1)  # "crash" with 3 entries pending
+    await c1.r.xadd(src, entry(3))
+    c2 = await make_consumer(redis_url, keys, src, "same", lease_ms=60_000)
+    again = await c2.fetch()
+    assert [(d.payload.meta["n"], d.deliveries) for d in again] == [(0, 2), (1, 2), (2, 2)]
+    assert [d.payload.meta["n"] for d in await c2.fetch()] == [3]
+    await close(c2)
+
+
+async def test_rule2_reaper_reclaims_idle_and_follows_cursor(redis_url, keys):
+    src = keys.tasks("a")
+    dead = await make_consumer(redis_url, keys, src, "gone", batch=500)
+    live = await make_consumer(redis_url, keys, src, "live", lease_ms=100, batch=7)
+    for i in range(120):
+        await dead.r.xadd(src, entry(i))
+    assert len(await dead.fetch()) == 120
+    ids = [e[0] for e in await dead.r.xrange(src)]
+    await dead.r.xdel(src, *ids[:30])  # payloads deleted while pending: lost work
+    await anyio.sleep(0.2)
+    reaper, seen = Reaper(live), []
+    for _ in range(40):
+        await reaper.reap()
+        seen += [d.payload.meta["n"] for d in await live.fetch()]
+        for d in list(live.inflight.values()):
+            await live.commit([(d, [])])
+        if reaper.cursor == "0-0" and not live.claimed and len(seen) == 90:
+            break
+    assert sorted(seen) == list(range(30, 120))
+    assert reaper.lost == 30 and int(await live.r.hget(keys.stats, "lost")) == 30
+    assert (await live.r.xpending(src, "g"))["pending"] == 0
+    await close(dead), await close(live)
+
+
+async def test_rule2_renewed_lease_is_not_reclaimed(redis_url, keys):
+    src = keys.tasks("a")
+    a = await make_consumer(redis_url, keys, src, "a", lease_ms=300)
+    b = await make_consumer(redis_url, keys, src, "b", lease_ms=300)
+    await a.r.xadd(src, entry(1))
+    await a.fetch()
+    for _ in range(6):  # 0.6 s, twice the lease, renewing every 0.1 s
+        await anyio.sleep(0.1)
+        assert await a.renew() == []
+    assert await Reaper(b).reap() == 0
+    await anyio.sleep(0.4)  # stop renewing: now it is reclaimable
+    assert await Reaper(b).reap() == 1
+    assert await a.renew() == [next(iter(a.inflight))]  # a learns it lost the lease
+    await close(a), await close(b)
+
+
+async def test_rule3_poison_goes_dead_after_max_deliveries(redis_url, keys):
+    src, dst = keys.tasks("a"), keys.traj("b")
+    c = await make_consumer(redis_url, keys, src, lease_ms=100, max_deliveries=3)
+    await c.r.xadd(src, entry(1, poison=True))
+    await c.r.xadd(src, entry(2))
+    calls = []
+
+    async def handle(batch):
+        calls.extend(d.payload.meta["n"] for d in batch)
+        return [ValueError("boom") if d.payload.meta.get("poison") else [(dst, entry(9))] for d in batch]
+
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve, c, handle, stop)
+        with anyio.fail_after(15):
+            while not await c.r.xlen(keys.dead):
+                await anyio.sleep(0.05)
+        stop.set()
+    assert calls.count(1) == 3 and calls.count(2) == 1
+    [dl] = await read_all(c.r, keys.dead)
+    assert "max_deliveries=3" in dl.meta["reason"] and "ValueError: boom" in dl.meta["last_error"]
+    assert codec.decode({k.encode(): v for k, v in dl.raw.items()}).meta["n"] == 1
+    assert (await c.r.xpending(src, "g"))["pending"] == 0
+    await close(c)
+
+
+async def test_rule4_trim_never_removes_pending_or_unread(redis_url, keys):
+    src = keys.tasks("a")
+    g1 = await make_consumer(redis_url, keys, src, "x", group="g1", batch=100)
+    g2 = await make_consumer(redis_url, keys, src, "y", group="g2", batch=4)
+    for i in range(10):
+        await g1.r.xadd(src, entry(i))
+    for d in await g1.fetch():  # g1 read and acked everything
+        await g1.commit([(d, [])])
+    got = await g2.fetch()  # g2 read 4: acks 0..1, keeps 2..3 pending; 4..9 unread
+    await g2.commit([(d, []) for d in got[:2]])
+    assert await safe_trim(g1.r, src) == 2
+    left = [p.meta["n"] for p in await read_all(g1.r, src)]
+    assert left == list(range(2, 10))
+    await g2.commit([(d, []) for d in got[2:]])
+    assert await safe_trim(g1.r, src) == 2
+    assert [p.meta["n"] for p in await read_all(g1.r, src)] == list(range(4, 10))
+    await g1.r.xadd(keys.tasks("nogroup"), entry(1))
+    assert await safe_trim(g1.r, keys.tasks("nogroup")) == 0  # nobody read it yet
+    await close(g1), await close(g2)
+
+
+async def test_rule4_full_stream_applies_backpressure_never_drops(redis_url, keys):
+    src = keys.tasks("a")
+    c = await make_consumer(redis_url, keys, src, batch=3)
+    prod = Producer(c.r, redis_url, keys, src, maxlen=10, batch=4)
+    seen, maxlen_seen = [], 0
+
+    async def consume():
+        nonlocal maxlen_seen
+        while len(seen) < 40:
+            maxlen_seen = max(maxlen_seen, await c.r.xlen(src))
+            for d in await c.fetch():
+                seen.append(d.payload.meta["n"])
+                await c.commit([(d, [])])
+            await anyio.sleep(0.02)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await prod.send([entry(i) for i in range(40)])
+    assert seen == list(range(40))
+    assert prod.waited_s > 0 and maxlen_seen <= 10
+    await close(c)
+
+
+def test_rule6_consumer_names_are_stable():
+    assert consumer_name("env", 3) == f"{socket.gethostname()}-env-3"
+    assert consumer_name("env", 3) == consumer_name("env", 3)
+
+
+async def test_rule7_blocking_read_outlasts_block(redis_url, keys):
+    c = await make_consumer(redis_url, keys, keys.tasks("quiet"), block_ms=1500)
+    kwargs = c.rb.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] > 1.5
+    t = time.monotonic()
+    assert await c.fetch() == []
+    assert time.monotonic() - t >= 1.4
+    await close(c)
