@@ -32,3 +32,7 @@ class ServerVersionError(QueueError):
 
 class BackpressureTimeout(QueueError):
     """A bounded stream stayed full for longer than the producer was told to wait."""
+
+
+class WeightsError(JetError):
+    """A weights file is missing, fails its sha256 check, or does not fit the model."""

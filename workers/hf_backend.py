@@ -1,0 +1,266 @@
+"""The `hf` inference backend: token ids in, token ids + logprobs out.
+
+What it is: pure compute on a transformers causal LM (CPU or GPU). Prompts are
+batched with LEFT padding, an attention mask and explicit position ids, and
+decoded token by token with a KV cache in a loop written here, so sampling is
+ours: temperature, top-p, per-request seeds, max_tokens and stop ids.
+
+What it is not: a server. No Redis, no threads, no batching policy; the
+inference worker decides what goes into a batch and calls `load_weights`
+between batches (the class is not thread-safe).
+
+Invariants:
+- Logprobs are what the trainer recomputes: for each sampled token,
+  log_softmax(logits / temperature)[token] over the FULL vocabulary, i.e.
+  under the temperature-scaled distribution BEFORE top-p truncation, computed
+  in float32. Temperature 0 means greedy (argmax); its logprob is then under
+  temperature 1, log_softmax(logits)[token].
+- Batch invariance: each request owns a torch.Generator seeded with its seed
+  and draws exactly one uniform number per sampled token, and sampling inverts
+  the CDF in token-id order (top-p only decides which ids are kept). So a
+  request samples the same tokens alone or in any batch, up to float noise in
+  the logits at a CDF boundary; greedy matches exactly.
+- A stop token (the request's stop ids plus the generation config's EOS ids)
+  ends the request with finish_reason "stop" and IS included in token_ids
+  with its logprob; reaching max_tokens (clipped to the context left after the
+  prompt) ends it with "length". Finished rows leave the batch.
+- A bad request (empty or over-long prompt, ids out of vocabulary, invalid
+  sampling params) yields finish_reason "error" with a message, never an
+  exception, and does not disturb the other requests of the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from jet.errors import WeightsError
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    max_tokens: int = 256  # new tokens at most; clipped to the context left
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    seed: int | None = None  # None = fresh entropy
+
+
+@dataclass(frozen=True, slots=True)
+class GenOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # one per token, see the module docstring
+    finish_reason: Literal["stop", "length", "error"]
+    error: str | None  # set when finish_reason == "error"
+    version: int  # weight version the tokens were sampled with
+
+
+class HFBackend:
+    """A transformers causal LM with a hand-written sampling loop."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        config, gen = self.model.config, self.model.generation_config
+        eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else next(iter(self.eos_ids), 0)
+        self.vocab_size = config.vocab_size
+        self.version = 0
+
+    @property
+    def context_length(self) -> int:
+        """Prompt plus completion tokens the model can attend to."""
+        return self.model.config.max_position_embeddings
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
+        """Complete every prompt; outputs are in request order, one per prompt."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        outputs: list[GenOutput | None] = [None] * len(prompts)
+        runnable = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            problem = self._request_error(prompt, sp)
+            if problem:
+                outputs[i] = GenOutput([], [], "error", problem, self.version)
+            else:
+                runnable.append(i)
+        if runnable:
+            done = self._decode([prompts[i] for i in runnable], [params[i] for i in runnable])
+            for i, out in zip(runnable, done):
+                outputs[i] = out
+        return outputs
+
+    def _request_error(self, prompt: list[int], sp: SamplingParams) -> str | None:
+        if not prompt:
+            return "empty prompt"
+        if len(prompt) >= self.context_length:
+            return (f"prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                    f"{self.context_length} tokens")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            return f"prompt has token ids outside the vocabulary [0, {self.vocab_size})"
+        if not sp.temperature >= 0:
+            return f"temperature must be >= 0, got {sp.temperature}"
+        if not 0 < sp.top_p <= 1:
+            return f"top_p must be in (0, 1], got {sp.top_p}"
+        if sp.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {sp.max_tokens}"
+        return None
+
+    def _decode(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
+        import torch
+        from transformers import DynamicCache
+
+        n = len(prompts)
+        ids, mask, pos = self._left_pad(prompts)
+        limits = [min(sp.max_tokens, self.context_length - len(p)) for p, sp in zip(prompts, params)]
+        stops = [self.eos_ids | frozenset(sp.stop_token_ids) for sp in params]
+        gens = [_generator(sp.seed) for sp in params]
+        temps = torch.tensor([sp.temperature or 1.0 for sp in params], device=self.device)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        active = list(range(n))  # request index of each batch row
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            while active:
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                 cache=cache, use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1, :].float()
+                logp = torch.log_softmax(logits / temps[active, None], dim=-1)
+                picks = [_sample(logits[r], logp[r], params[i], gens[i]) for r, i in enumerate(active)]
+                for r, i in enumerate(active):
+                    tokens[i].append(picks[r])
+                    logps[i].append(logp[r, picks[r]].item())
+                    if picks[r] in stops[i]:
+                        finish[i] = "stop"
+                    elif len(tokens[i]) >= limits[i]:
+                        finish[i] = "length"
+                # Finished rows leave the batch: cache, mask and positions shrink with it.
+                keep = [r for r, i in enumerate(active) if finish[i] is None]
+                if len(keep) < len(active):
+                    rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+                    cache.batch_select_indices(rows)
+                    mask, pos = mask[rows], pos[rows]
+                active = [active[r] for r in keep]
+                ids = torch.tensor([[picks[r]] for r in keep], dtype=torch.long, device=self.device)
+                mask = torch.cat([mask, mask.new_ones((len(keep), 1))], dim=1)
+                pos = pos[:, -1:] + 1
+        return [GenOutput(tokens[i], logps[i], finish[i], None, self.version) for i in range(n)]
+
+    def _left_pad(self, prompts: list[list[int]]):
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p):] = 1
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return ids.to(self.device), mask.to(self.device), pos.to(self.device)
+
+    def load_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None) -> None:
+        """Load a safetensors file (or a dir holding model.safetensors) into the live model.
+
+        The file's sha256 is checked when given. Nothing is copied unless every
+        tensor's name and shape match the model. The new version is `version`,
+        else the N of a `v<N>` directory in the path, else the old version + 1.
+        """
+        import torch
+        from safetensors.torch import load_file
+
+        file = Path(path)
+        file = file / WEIGHTS_FILE if file.is_dir() else file
+        if not file.is_file():
+            raise WeightsError(f"no weights file at {file}")
+        if sha256 is not None:
+            digest = _sha256(file)
+            if digest != sha256.lower():
+                raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        state = load_file(str(file), device="cpu")
+        live = self.model.state_dict()
+        self._check_state(state, live, file)
+        with torch.no_grad():
+            for name, tensor in state.items():
+                live[name].copy_(tensor)
+        self.version = version if version is not None else _version_in(file, default=self.version + 1)
+
+    def _check_state(self, state: dict, live: dict, file: Path) -> None:
+        unexpected = sorted(set(state) - set(live))
+        if unexpected:
+            raise WeightsError(f"{file}: tensors the model does not have: {unexpected[:5]}")
+        # Tied tensors (one storage under several names) need only one name present.
+        groups: dict[int, list[str]] = {}
+        for name, tensor in live.items():
+            groups.setdefault(tensor.data_ptr(), []).append(name)
+        missing = [names[0] for names in groups.values() if not any(n in state for n in names)]
+        if missing:
+            raise WeightsError(f"{file}: missing tensors: {missing[:5]}")
+        wrong = [f"{k} {tuple(v.shape)}, model {tuple(live[k].shape)}"
+                 for k, v in state.items() if v.shape != live[k].shape]
+        if wrong:
+            raise WeightsError(f"{file}: shape mismatch: {wrong[:5]}")
+
+
+def _sample(logits, logp, sp: SamplingParams, gen) -> int:
+    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy."""
+    import torch
+
+    if sp.temperature == 0:
+        return int(torch.argmax(logits).item())
+    u = torch.rand((), generator=gen, dtype=torch.float64).item()
+    probs = logp.double().exp()
+    if sp.top_p < 1:
+        # Nucleus: the top tokens whose mass first reaches top_p. Keeping every id
+        # with prob >= the last kept one makes the set independent of sort ties.
+        ordered = torch.sort(probs, descending=True).values
+        before = torch.cumsum(ordered, dim=0) - ordered
+        floor = ordered[(before < sp.top_p).sum() - 1]
+        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+    cdf = torch.cumsum(probs, dim=0)  # token-id order, so batch noise cannot reorder it
+    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
+    idx = int(torch.searchsorted(cdf, target, right=True).item())
+    idx = min(idx, len(cdf) - 1)
+    while probs[idx] == 0:  # u * total landed exactly on a boundary before a dropped id
+        idx -= 1
+    return idx
+
+
+def _generator(seed: int | None):
+    import torch
+
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _version_in(file: Path, default: int) -> int:
+    for part in reversed(file.parts[:-1]):
+        match = re.fullmatch(r"v(\d+)", part)
+        if match:
+            return int(match.group(1))
+    return default
