@@ -1,0 +1,144 @@
+"""Merged timelines train exactly like unmerged calls, on a real (tiny) transformer.
+
+Episodes are sampled from a randomly initialised Llama, token-in-token-out,
+recording each token's behaviour logprob. They cover a multi-turn tool loop, a
+completion cut by max_tokens and then re-rendered differently, parallel
+sub-agents branching from one context, a second agent on the same model and a
+GRPO group sharing its task prompt. For `none`, `exact` and `tree` samples we
+pack rows (small enough that trees are split), run the model and check:
+per-token logprobs equal the `none` ones and the sampler's (float32, atol
+1e-5); the policy-gradient loss and every parameter's gradient equal the
+`none` ones (atol 1e-6, rtol 1e-4).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from jet.timeline import Call, Episode, merge_episodes
+from jet.trainer.losses import policy_gradient_loss
+from jet.trainer.packing import Row, pack, row_logprobs
+
+VOCAB, EOS, BUDGET = 96, 95, 80
+
+
+def tiny_llama(attn: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config).float().eval()
+
+
+class Sampler:
+    """Samples completions from the model, full recompute per step (no KV cache)."""
+
+    def __init__(self, model: torch.nn.Module, seed: int = 0):
+        self.model = model
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(0, EOS, (n,), generator=self.gen).tolist()
+
+    @torch.no_grad()
+    def call(self, prompt: list[int], max_tokens: int, agent: str = "main", version: int = 0) -> Call:
+        ids, lps = list(prompt), []
+        for _ in range(max_tokens):
+            logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+            tok = int(torch.multinomial(logp.exp(), 1, generator=self.gen))
+            ids.append(tok)
+            lps.append(float(logp[tok]))
+            if tok == EOS:
+                break
+        finish = "stop" if ids[-1] == EOS else "length"
+        return Call(prompt, ids[len(prompt) :], lps, version, "tiny", agent, finish)
+
+
+def episodes(s: Sampler) -> list[Episode]:
+    system = s.tokens(12)
+    # A tool loop; the second completion is cut by max_tokens and the client appends EOS.
+    loop = [s.call(system + s.tokens(5), 6)]
+    loop.append(s.call(list(loop[-1].ids) + s.tokens(4), 3, version=1))
+    loop.append(s.call(list(loop[-1].ids) + [EOS] + s.tokens(6), 6, version=1))
+    # Truncated, then re-rendered differently: its last token becomes two others.
+    cut = s.call(list(loop[-1].ids) + s.tokens(3), 4, version=2)
+    rerendered = list(cut.ids[:-1]) + s.tokens(2) + [EOS] + s.tokens(3)
+    loop += [cut, s.call(rerendered, 5, version=2)]
+    # Two parallel sub-agents branching from the same context, and a second agent.
+    base = list(loop[-1].ids)
+    loop += [s.call(base + s.tokens(3), 5, agent="sub"), s.call(base + s.tokens(3), 5, agent="sub")]
+    critic = [s.call(s.tokens(7) + list(loop[0].completion_ids), 5, agent="critic")]
+    critic.append(s.call(list(critic[0].ids) + s.tokens(3), 5, agent="critic"))
+    # A GRPO group sharing a task prompt.
+    task = system + s.tokens(10)
+    group = [Episode((s.call(task, 6, version=3),), f"g{i}", float(i) - 1.0) for i in range(3)]
+    return [Episode(tuple(loop), "loop", 1.0), Episode(tuple(critic), "critic", -0.5), *group]
+
+
+def context_keys(row: Row) -> list[tuple]:
+    ids, parents = row.input_ids[0].tolist(), row.parent_index[0].tolist()
+    keys = []
+    for j in range(len(ids)):
+        path, p = [], parents[j]
+        while p >= 0:
+            path.append(ids[p])
+            p = parents[p]
+        keys.append((tuple(reversed(path)), ids[j]))
+    return keys
+
+
+def run(model: torch.nn.Module, rows: list[Row], n_trained: int) -> tuple[dict, float, dict]:
+    """Per-context logprobs, the loss and the gradients, from one forward/backward over rows."""
+    model.zero_grad()
+    logprobs: dict[tuple, list[float]] = defaultdict(list)
+    total = 0.0
+    for row in rows:
+        lp = row_logprobs(model, row)
+        loss = policy_gradient_loss(lp, row.behaviour_logprobs, row.rewards, row.loss_mask, n_trained)
+        loss.backward()
+        total += loss.item()
+        values, behaviour = lp.detach()[0].tolist(), row.behaviour_logprobs[0].tolist()
+        for j, key in enumerate(context_keys(row)):
+            if row.loss_mask[0, j] > 0:
+                logprobs[key].append(values[j])
+                assert values[j] == pytest.approx(behaviour[j], abs=1e-5)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {k: sorted(v) for k, v in logprobs.items()}, total, grads
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_exact_and_tree_train_like_none(attn):
+    model = tiny_llama(attn)
+    eps = episodes(Sampler(model))
+    n_trained = sum(len(c.completion_ids) for e in eps for c in e.calls)
+    results, sizes = {}, {}
+    for mode in ("none", "exact", "tree"):
+        samples = merge_episodes(eps, mode)
+        rows = pack(samples, BUDGET)
+        sizes[mode] = (len(samples), max(map(len, samples)), sum(r.n_tokens for r in rows))
+        results[mode] = run(model, rows, n_trained)
+    assert sizes["tree"][1] > BUDGET, "the tree was not large enough to be split"
+    assert sizes["tree"][2] < sizes["exact"][2] < sizes["none"][2]
+    ref_lp, ref_loss, ref_grads = results["none"]
+    assert sum(map(len, ref_lp.values())) == n_trained
+    for mode in ("exact", "tree"):
+        lp, loss, grads = results[mode]
+        assert lp.keys() == ref_lp.keys()
+        for key, values in lp.items():
+            assert values == pytest.approx(ref_lp[key], abs=1e-5)
+        assert loss == pytest.approx(ref_loss, abs=1e-6)
+        assert any(g.abs().max() > 1e-4 for g in ref_grads.values())
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-4, msg=f"{mode}: {name}")
