@@ -56,6 +56,7 @@ def setup_logging(level: str) -> None:
         "up": ("jet.up:cli", "Run everything on this machine (embedded Redis + roles)."),
         "bench": ("jet.cli:bench", "Benchmarks that print ratios against an in-run baseline."),
         "model": ("jet.models:cli", "Build tiny local models and tokenizers."),
+        "worker": ("jet.workers.cli:worker", "Run env or inference workers (-n N processes)."),
     },
 )
 @click.option("--log-level", default=lambda: os.environ.get("JET_LOG_LEVEL", "INFO"), show_default="INFO")

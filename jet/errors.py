@@ -36,3 +36,11 @@ class BackpressureTimeout(QueueError):
 
 class WeightsError(JetError):
     """A weights file is missing, fails its sha256 check, or does not fit the model."""
+
+
+class GenerationError(JetError):
+    """An inference worker answered a generation request with an error (the message says why)."""
+
+
+class GenerationTimeout(GenerationError):
+    """No reply to a generation request within its timeout, after every retry."""

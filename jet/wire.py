@@ -4,7 +4,17 @@ Each type encodes to an entry field map with `to_fields()` and decodes with
 `from_payload(payload)`; the layout (schema version, orjson metadata, raw
 int32/float32 arrays) is `jet.queues.codec`'s. Decoding validates and raises
 `CodecError` only, which consumers turn into a dead letter with the reason.
-Messages are facts: `Task` (a unit of rollout work).
+
+Messages are facts:
+- `Task`: a unit of rollout work (one member of a GRPO group, one attempt);
+- `GenRequest` / `GenResult`: one LLM call, token ids in, token ids out;
+- `WeightVersion`: new weights of a model are on disk;
+- `Trajectory`: a finished or failed episode: its reward and merged samples.
+
+Token ids and logprobs travel as raw int32 / float32 arrays, never JSON lists.
+The request id of a generation is the GenRequest's `msg_id`: it stays the same
+across the client's retries, so the inference side's idempotency marker makes a
+retried request harmless, and a GenResult names the request it answers.
 """
 
 from __future__ import annotations
@@ -14,6 +24,9 @@ from typing import Any
 
 from jet.errors import CodecError
 from jet.queues import codec
+from jet.timeline import Sample
+
+FINISH_REASONS = ("stop", "length", "error")
 
 
 def _require(meta: dict, key: str, typ: type | tuple[type, ...], kind: str) -> Any:
@@ -23,9 +36,26 @@ def _require(meta: dict, key: str, typ: type | tuple[type, ...], kind: str) -> A
     return value
 
 
+def _optional(meta: dict, key: str, typ: type | tuple[type, ...], kind: str, default: Any = None) -> Any:
+    return default if meta.get(key) is None else _require(meta, key, typ, kind)
+
+
+def _number(meta: dict, key: str, kind: str, default: float | None = None) -> float:
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CodecError(f"{kind}: field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
 def _expect_kind(payload: codec.Payload, kind: str) -> None:
     if payload.kind != kind:
         raise CodecError(f"expected a {kind!r} message, got {payload.kind!r}")
+
+
+def _array(p: codec.Payload, name: str, kind: str) -> tuple:
+    if name not in p.arrays:
+        raise CodecError(f"{kind}: missing array {name!r}")
+    return tuple(p.arrays[name])
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +70,11 @@ class Task:
     index: int = 0  # member index within the group
     group_size: int = 1
     msg_id: str = field(default_factory=codec.new_id)
+    attempt: int = 0  # 0 for the first run; a failed episode is re-queued with attempt + 1
 
     def to_fields(self) -> dict[bytes, bytes]:
         meta = {"task": self.task, "row": self.row, "group_id": self.group_id,
-                "index": self.index, "group_size": self.group_size}
+                "index": self.index, "group_size": self.group_size, "attempt": self.attempt}
         return codec.encode(self.KIND, meta, msg_id=self.msg_id)
 
     @classmethod
@@ -52,4 +83,277 @@ class Task:
         m = p.meta
         return cls(task=_require(m, "task", str, cls.KIND), row=_require(m, "row", dict, cls.KIND),
                    group_id=_require(m, "group_id", str, cls.KIND), index=_require(m, "index", int, cls.KIND),
-                   group_size=_require(m, "group_size", int, cls.KIND), msg_id=p.msg_id)
+                   group_size=_require(m, "group_size", int, cls.KIND), msg_id=p.msg_id,
+                   attempt=_optional(m, "attempt", int, cls.KIND, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """One LLM call: complete `prompt_ids` and reply to `reply_to`.
+
+    Sampling follows `jet.workers.hf_backend`: temperature 0 is greedy, top_p
+    in (0, 1], max_tokens is clipped to the model's context, the model's EOS ids
+    always stop. `deadline` (unix seconds, 0 = none) is when the client stops
+    waiting for this attempt: a worker that reaches it later skips the request
+    without marking it done, so the client's retry (same msg_id) is still served.
+    """
+
+    KIND = "gen"
+
+    reply_to: str  # the requesting process's reply stream key
+    model: str
+    prompt_ids: tuple[int, ...]
+    episode_id: str = ""
+    agent: str = ""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    deadline: float = 0.0
+    msg_id: str = field(default_factory=codec.new_id)  # the request id, kept across retries
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def request_id(self) -> str:
+        return self.msg_id
+
+    def to_fields(self, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> dict[bytes, bytes]:
+        meta = {"reply_to": self.reply_to, "model": self.model, "episode_id": self.episode_id,
+                "agent": self.agent, "temperature": self.temperature, "top_p": self.top_p,
+                "max_tokens": self.max_tokens, "stop_token_ids": list(self.stop_token_ids),
+                "seed": self.seed, "deadline": self.deadline}
+        return codec.encode(self.KIND, meta, ints={"prompt": self.prompt_ids}, msg_id=self.msg_id,
+                            max_bytes=max_bytes)
+
+    @classmethod
+    def from_payload(cls, p: codec.Payload) -> "GenRequest":
+        _expect_kind(p, cls.KIND)
+        m, k = p.meta, cls.KIND
+        stops = _require(m, "stop_token_ids", list, k)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
+            raise CodecError(f"{k}: field 'stop_token_ids' must be a list of ints, got {stops!r}")
+        return cls(reply_to=_require(m, "reply_to", str, k), model=_require(m, "model", str, k),
+                   prompt_ids=_array(p, "prompt", k), episode_id=_optional(m, "episode_id", str, k, ""),
+                   agent=_optional(m, "agent", str, k, ""), temperature=_number(m, "temperature", k),
+                   top_p=_number(m, "top_p", k), max_tokens=_require(m, "max_tokens", int, k),
+                   stop_token_ids=tuple(stops), seed=_optional(m, "seed", int, k),
+                   deadline=_number(m, "deadline", k, 0.0), msg_id=p.msg_id)
+
+
+@dataclass(frozen=True, slots=True)
+class GenResult:
+    """The answer to one GenRequest.
+
+    `logprobs[i]` is the logprob of `token_ids[i]` under the distribution it was
+    sampled from before top-p truncation: log_softmax(logits / temperature) over
+    the whole vocabulary (temperature 1 for greedy), the quantity the trainer
+    recomputes. A stop token that ended the completion is included. On error,
+    `finish_reason` is "error", `error` says why and the arrays are empty.
+    """
+
+    KIND = "gen_result"
+
+    request_id: str  # the GenRequest's msg_id
+    model: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" | "length" | "error"
+    version: int  # weight version that generated the tokens
+    error: str | None = None
+    worker: str = ""  # consumer name of the inference worker that answered
+    msg_id: str = field(default_factory=codec.new_id)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "logprobs", tuple(self.logprobs))
+        if self.finish_reason not in FINISH_REASONS:
+            raise CodecError(f"{self.KIND}: finish_reason must be one of {FINISH_REASONS}, "
+                             f"got {self.finish_reason!r}")
+        if len(self.token_ids) != len(self.logprobs):
+            raise CodecError(f"{self.KIND}: {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+
+    def to_fields(self) -> dict[bytes, bytes]:
+        meta = {"request_id": self.request_id, "model": self.model, "finish_reason": self.finish_reason,
+                "version": self.version, "error": self.error, "worker": self.worker}
+        return codec.encode(self.KIND, meta, ints={"tokens": self.token_ids},
+                            floats={"logprobs": self.logprobs}, msg_id=self.msg_id)
+
+    @classmethod
+    def from_payload(cls, p: codec.Payload) -> "GenResult":
+        _expect_kind(p, cls.KIND)
+        m, k = p.meta, cls.KIND
+        return cls(request_id=_require(m, "request_id", str, k), model=_require(m, "model", str, k),
+                   token_ids=_array(p, "tokens", k), logprobs=_array(p, "logprobs", k),
+                   finish_reason=_require(m, "finish_reason", str, k), version=_require(m, "version", int, k),
+                   error=_optional(m, "error", str, k), worker=_optional(m, "worker", str, k, ""),
+                   msg_id=p.msg_id)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightVersion:
+    """New weights of `model` are on disk at `path` (a safetensors file or a folder holding one)."""
+
+    KIND = "weights"
+
+    model: str
+    version: int
+    path: str
+    sha256: str  # hex digest of the safetensors file
+    step: int = 0  # trainer step that produced them
+    msg_id: str = field(default_factory=codec.new_id)
+
+    def to_fields(self) -> dict[bytes, bytes]:
+        meta = {"model": self.model, "version": self.version, "path": self.path,
+                "sha256": self.sha256, "step": self.step}
+        return codec.encode(self.KIND, meta, msg_id=self.msg_id)
+
+    @classmethod
+    def from_payload(cls, p: codec.Payload) -> "WeightVersion":
+        _expect_kind(p, cls.KIND)
+        m, k = p.meta, cls.KIND
+        return cls(model=_require(m, "model", str, k), version=_require(m, "version", int, k),
+                   path=_require(m, "path", str, k), sha256=_require(m, "sha256", str, k),
+                   step=_optional(m, "step", int, k, 0), msg_id=p.msg_id)
+
+
+Reward = float | dict[str, float]  # one number, or one per agent name
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """One episode's outcome for one model's trainer (`traj:<model>`).
+
+    A successful episode carries its merged samples (`jet.timeline`): the
+    model's tokens, loss mask, behaviour logprobs and per-token weight versions.
+    A failed one (`failed`) carries no samples, the reason (`error`) and the
+    traceback; `retry` says whether another attempt of the same group member
+    was queued (else the group trains without it). `meta` holds what the env
+    worker knows of the run (worker, workflow, duration, workflow-reported info).
+    """
+
+    KIND = "traj"
+
+    task: str
+    group_id: str
+    index: int  # member index within the GRPO group
+    episode_id: str
+    model: str  # whose tokens the samples hold (the stream it is published to)
+    reward: Reward = 0.0
+    samples: tuple[Sample, ...] = ()
+    group_size: int = 1
+    attempt: int = 0
+    failed: bool = False
+    retry: bool = False  # failed, and a new attempt of this member was queued
+    error: str | None = None  # one line: why the episode failed
+    traceback: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    msg_id: str = field(default_factory=codec.new_id)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", tuple(self.samples))
+        _check_reward(self.reward, self.KIND)
+        for s in self.samples:
+            if s.model != self.model:
+                raise CodecError(f"{self.KIND}: a sample of model {s.model!r} in a trajectory of {self.model!r}")
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s) for s in self.samples)
+
+    def to_fields(self, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> dict[bytes, bytes]:
+        meta = {"task": self.task, "group_id": self.group_id, "index": self.index,
+                "episode_id": self.episode_id, "model": self.model, "reward": self.reward,
+                "group_size": self.group_size, "attempt": self.attempt, "failed": self.failed,
+                "retry": self.retry, "error": self.error, "traceback": self.traceback, "meta": self.meta,
+                "samples": [_sample_meta(s) for s in self.samples]}
+        ints, floats = _sample_arrays(self.samples)
+        return codec.encode(self.KIND, meta, ints=ints, floats=floats, msg_id=self.msg_id, max_bytes=max_bytes)
+
+    @classmethod
+    def from_payload(cls, p: codec.Payload) -> "Trajectory":
+        _expect_kind(p, cls.KIND)
+        m, k = p.meta, cls.KIND
+        model = _require(m, "model", str, k)
+        return cls(task=_require(m, "task", str, k), group_id=_require(m, "group_id", str, k),
+                   index=_require(m, "index", int, k), episode_id=_require(m, "episode_id", str, k),
+                   model=model, reward=m.get("reward"), samples=_samples(p, model),
+                   group_size=_require(m, "group_size", int, k), attempt=_require(m, "attempt", int, k),
+                   failed=_require(m, "failed", bool, k), retry=_require(m, "retry", bool, k),
+                   error=_optional(m, "error", str, k), traceback=_optional(m, "traceback", str, k),
+                   meta=_require(m, "meta", dict, k), msg_id=p.msg_id)
+
+
+def _check_reward(reward: Any, kind: str) -> None:
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if number(reward):
+        return
+    if isinstance(reward, dict) and all(isinstance(a, str) and number(r) for a, r in reward.items()):
+        return
+    raise CodecError(f"{kind}: reward must be a number or a dict of agent name -> number, got {reward!r}")
+
+
+# Samples travel concatenated: one int32 array per column for all samples, cut
+# by the per-sample lengths in the metadata. Columns a sample can derive are
+# left out as `Sample.encode` does: the mask is `version >= 0`, parents of a
+# linear sample are i - 1, and a one-episode sample's episode column is mask - 1.
+
+
+def _sample_meta(s: Sample) -> dict[str, Any]:
+    return {"n": len(s), "agents": list(s.agents), "episode_ids": list(s.episode_ids),
+            "rewards": list(s.rewards), "linear": s.is_linear}
+
+
+def _sample_arrays(samples: tuple[Sample, ...]) -> tuple[dict, dict]:
+    ints: dict[str, list[int]] = {"tokens": [], "versions": []}
+    floats: dict[str, list[float]] = {"logprobs": []}
+    for s in samples:
+        ints["tokens"] += s.tokens
+        ints["versions"] += s.versions
+        floats["logprobs"] += s.logprobs
+    if any(not s.is_linear for s in samples):
+        ints["parents"] = [p for s in samples for p in s.parents]
+    if any(len(s.episode_ids) > 1 for s in samples):
+        ints["episodes"] = [e for s in samples for e in s.episodes]
+    return ints, floats
+
+
+def _samples(p: codec.Payload, model: str) -> tuple[Sample, ...]:
+    specs = _require(p.meta, "samples", list, Trajectory.KIND)
+    total = 0
+    for spec in specs:
+        if not isinstance(spec, dict) or not isinstance(spec.get("n"), int) or spec["n"] < 0:
+            raise CodecError(f"traj: malformed sample entry {str(spec)[:80]}")
+        total += spec["n"]
+    for name in ("tokens", "versions", "logprobs", "parents", "episodes"):
+        required = name in ("tokens", "versions", "logprobs")
+        if (required or name in p.arrays) and len(p.arrays.get(name, ())) != total:
+            got = len(p.arrays.get(name, ()))
+            raise CodecError(f"traj: array {name!r} has {got} values, the samples need {total}")
+    out, start = [], 0
+    for spec in specs:
+        end = start + spec["n"]
+        try:
+            out.append(_one_sample(p, spec, model, start, end))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CodecError(f"traj: malformed sample: {e}") from None
+        start = end
+    return tuple(out)
+
+
+def _one_sample(p: codec.Payload, spec: dict, model: str, start: int, end: int) -> Sample:
+    a = p.arrays
+    versions = tuple(a["versions"][start:end])
+    mask = tuple(int(v >= 0) for v in versions)
+    parents = tuple(a["parents"][start:end]) if "parents" in a else tuple(range(-1, end - start - 1))
+    episodes = tuple(a["episodes"][start:end]) if "episodes" in a else tuple(x - 1 for x in mask)
+    return Sample(tokens=tuple(a["tokens"][start:end]), parents=parents, mask=mask,
+                  logprobs=tuple(a["logprobs"][start:end]), versions=versions, episodes=episodes,
+                  model=model, agents=tuple(str(x) for x in spec["agents"]),
+                  episode_ids=tuple(str(x) for x in spec["episode_ids"]),
+                  rewards=tuple(float(r) for r in spec["rewards"]))

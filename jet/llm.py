@@ -1,0 +1,312 @@
+"""The LLM client agent code calls: `await llm.chat(messages, tools=..., **sampling)`.
+
+What it is:
+- `LLMClient`, one per process (`open_client`): sends GenRequests to
+  `gen:<model>` and reads ONE reply stream, `reply:<client id>`, with ONE
+  reader task that hands each GenResult to the call waiting for its request id.
+- `Session`, one per episode (`client.session(...)`): what a workflow gets as
+  `llm`. `chat` builds the prompt token-in-token-out (`jet.chat`), generates,
+  records a `jet.timeline.Call` (prompt ids, completion ids, logprobs, version,
+  model, agent) in `session.calls`, and returns the assistant message.
+  `chat_completion` returns the same plus the raw result (what an HTTP gateway
+  needs); `generate` is the raw token-ids path, recorded the same way.
+
+Delivery choices:
+- The reply stream is read with plain XREAD (no group), from where the client
+  started. A reply only matters to the process waiting for it, and a crashed
+  process loses its episodes anyway (they are re-run elsewhere), so a group
+  would recover nothing. Read entries are deleted (XDEL), and the stream has a
+  TTL renewed while the client lives, so a dead client's stream expires (and
+  inference workers skip requests whose reply stream is gone).
+- Timeout and retry: each attempt carries a deadline (now + timeout); with no
+  reply by then the request is sent again with the SAME request id. The
+  inference side's idempotency marker makes a duplicate harmless: it is acked,
+  not regenerated, once one attempt committed; a late reply to an earlier
+  attempt resolves the call just as well. A second reply for a resolved
+  request is ignored.
+
+What it is not: a tokenizer cache for the gateway's HTTP layer, or a sampler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+import anyio
+
+from jet.chat import Conversations, Message, Template
+from jet.errors import CodecError, ConnectError, GenerationError, GenerationTimeout
+from jet.keys import Keys
+from jet.queues import codec
+from jet.queues.connect import connect, translated
+from jet.queues.producer import Producer
+from jet.timeline import Call
+from jet.wire import GenRequest, GenResult
+
+log = logging.getLogger(__name__)
+
+SAMPLING = ("temperature", "top_p", "max_tokens", "stop_token_ids", "seed")
+REPLY_TTL_S = 600  # a dead client's reply stream expires after this (s)
+
+
+def client_id() -> str:
+    """A fresh id for this process's reply stream: host-pid-random, key-safe."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Tokenizers:
+    """Model name -> tokenizer, loaded from the model's directory on first use.
+
+    Loading holds a lock: transformers' lazy first import is not thread-safe
+    (concurrent first imports from worker threads raised ImportError)."""
+
+    def __init__(self, paths: Mapping[str, str]):
+        self.paths = dict(paths)
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, model: str) -> bool:
+        return model in self.paths
+
+    def get(self, model: str) -> Any:
+        """The tokenizer of `model` (blocking on first use: call from a thread)."""
+        if model in self._loaded:
+            return self._loaded[model]
+        if model not in self.paths:
+            known = ", ".join(sorted(self.paths)) or "none"
+            raise ValueError(f"unknown model {model!r}; configured: {known}")
+        with self._lock:
+            if model not in self._loaded:
+                from transformers import AutoTokenizer
+
+                self._loaded[model] = AutoTokenizer.from_pretrained(self.paths[model])
+        return self._loaded[model]
+
+
+@dataclass(slots=True)
+class _Waiter:
+    event: anyio.Event = field(default_factory=anyio.Event)
+    result: GenResult | None = None
+
+
+class LLMClient:
+    """Sends generation requests and routes their replies; one per process."""
+
+    def __init__(self, url: str, keys: Keys, tokenizers: Tokenizers, *, timeout_s: float = 120.0,
+                 retries: int = 2, block_ms: int = 1000, gen_maxlen: int = 10_000, cid: str | None = None):
+        self.url, self.keys, self.tokenizers = url, keys, tokenizers
+        self.timeout_s, self.retries, self.block_ms, self.gen_maxlen = timeout_s, retries, block_ms, gen_maxlen
+        self.id = cid or client_id()
+        self.reply_to = keys.reply(self.id)
+        self.sessions: dict[str, Session] = {}  # episode id -> live session (a gateway looks them up here)
+        self._waiting: dict[str, _Waiter] = {}
+        self._producers: dict[str, Producer] = {}
+        self.r = self.rb = None
+
+    # -- lifecycle (use `open_client`) -----------------------------------------
+
+    async def _open(self) -> None:
+        self.r = await connect(self.url, name=f"jet-llm-{self.id}")
+        self.rb = await connect(self.url, block_ms=self.block_ms, name=f"jet-llm-read-{self.id}")
+        self._last = "0-0"
+        await self._ensure_stream()
+
+    async def _ensure_stream(self) -> None:
+        """(Re)create the reply stream with its TTL: workers skip requests whose reply stream is gone."""
+        with translated(self.url):
+            if await self.r.expire(self.reply_to, REPLY_TTL_S):
+                return
+            entry = await self.r.xadd(self.reply_to, codec.encode("hello", {"client": self.id}))
+            await self.r.xdel(self.reply_to, entry)
+            await self.r.expire(self.reply_to, REPLY_TTL_S)
+        self._last = max(self._last, entry.decode(), key=_entry_order)
+
+    async def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.r.delete(self.reply_to)
+        for c in (self.r, self.rb):
+            with contextlib.suppress(Exception):
+                await c.aclose()
+
+    async def _read_replies(self) -> None:
+        """The one reader: dispatch replies by request id, keep the stream's TTL fresh."""
+        renewed = time.monotonic()
+        while True:
+            try:
+                with translated(self.url):
+                    reply = await self.rb.xread({self.reply_to: self._last}, count=256, block=self.block_ms)
+                    entries = [e for _, es in (reply or []) for e in es]
+                    if entries:
+                        self._last = entries[-1][0]
+                        await self.r.xdel(self.reply_to, *[i for i, _ in entries])
+                if time.monotonic() - renewed > REPLY_TTL_S / 10:
+                    await self._ensure_stream()  # also after a server restart that lost it
+                    renewed = time.monotonic()
+            except ConnectError as e:
+                log.warning("reply reader: %s; retrying", e)
+                await anyio.sleep(0.5)
+                continue
+            for _, fields in entries:
+                self._dispatch(fields)
+
+    def _dispatch(self, fields: dict) -> None:
+        try:
+            result = GenResult.from_payload(codec.decode(fields))
+        except CodecError as e:
+            log.warning("ignoring a malformed reply on %s: %s", self.keys.short(self.reply_to), e)
+            return
+        waiter = self._waiting.get(result.request_id)
+        if waiter is None or waiter.event.is_set():
+            return  # a duplicate, or a call that gave up
+        waiter.result = result
+        waiter.event.set()
+
+    # -- requests -------------------------------------------------------------
+
+    async def generate(self, request: GenRequest, timeout_s: float | None = None) -> GenResult:
+        """Send `request` (its reply_to is set here) and wait for the result, retrying on timeout.
+
+        Raises GenerationError when the worker answered with an error,
+        GenerationTimeout when no attempt was answered in time.
+        """
+        timeout = timeout_s or self.timeout_s
+        waiter = self._waiting.setdefault(request.msg_id, _Waiter())
+        try:
+            for attempt in range(self.retries + 1):
+                sent = replace(request, reply_to=self.reply_to, deadline=time.time() + timeout)
+                with anyio.move_on_after(timeout):
+                    await self._producer(request.model).send([sent.to_fields()])
+                    await waiter.event.wait()
+                if waiter.result is not None:
+                    break
+                log.warning("no reply to %s from gen:%s in %.0fs (attempt %d of %d)", request.msg_id,
+                            request.model, timeout, attempt + 1, self.retries + 1)
+            else:
+                raise GenerationTimeout(f"no reply from an inference worker of {request.model!r} after "
+                                        f"{self.retries + 1} attempts of {timeout:.0f}s (is one running?)")
+        finally:
+            self._waiting.pop(request.msg_id, None)
+        result = waiter.result
+        if result.finish_reason == "error":
+            raise GenerationError(f"{request.model}: {result.error}")
+        return result
+
+    def _producer(self, model: str) -> Producer:
+        if model not in self._producers:
+            self._producers[model] = Producer(self.r, self.url, self.keys, self.keys.gen(model),
+                                              maxlen=self.gen_maxlen)
+        return self._producers[model]
+
+    def session(self, episode_id: str, model: str, agent: str = "main") -> "Session":
+        """A new episode's session; it stays in `sessions` until `close_session`."""
+        s = Session(self, episode_id, model, agent)
+        self.sessions[episode_id] = s
+        return s
+
+    def close_session(self, episode_id: str) -> None:
+        self.sessions.pop(episode_id, None)
+
+
+def _entry_order(entry_id: str | bytes) -> tuple[int, int]:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+@contextlib.asynccontextmanager
+async def open_client(url: str, keys: Keys, tokenizers: Tokenizers, **kwargs) -> AsyncIterator[LLMClient]:
+    """An LLMClient with its reply reader running; closed (reply stream deleted) on exit."""
+    client = LLMClient(url, keys, tokenizers, **kwargs)
+    await client._open()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client._read_replies)
+            try:
+                yield client
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await client._close()
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCompletion:
+    message: Message  # the assistant message
+    call: Call  # what was recorded
+    result: GenResult
+
+
+class Session:
+    """One episode's LLM access: what a workflow receives as `llm`.
+
+    `calls` lists every recorded call in order; `info` is a free dict the
+    workflow may fill (JSON-serialisable) and the Trajectory carries.
+    """
+
+    def __init__(self, client: LLMClient, episode_id: str, model: str, agent: str = "main"):
+        self.client, self.episode_id, self.model, self.agent = client, episode_id, model, agent
+        self.calls: list[Call] = []
+        self.info: dict[str, Any] = {}
+        self._conversations: dict[tuple[str, str], Conversations] = {}
+
+    async def chat(self, messages: Sequence[Message], *, model: str | None = None,
+                   tools: Sequence[dict] | None = None, agent: str | None = None,
+                   timeout_s: float | None = None, **sampling: Any) -> Message:
+        """Generate the next assistant message for `messages` and record the call."""
+        done = await self.chat_completion(messages, model=model, tools=tools, agent=agent,
+                                          timeout_s=timeout_s, **sampling)
+        return done.message
+
+    async def chat_completion(self, messages: Sequence[Message], *, model: str | None = None,
+                              tools: Sequence[dict] | None = None, agent: str | None = None,
+                              timeout_s: float | None = None, **sampling: Any) -> ChatCompletion:
+        model, agent = model or self.model, agent if agent is not None else self.agent
+        messages = [dict(m) for m in messages]
+        conv = await anyio.to_thread.run_sync(self._conversation, model, agent)
+        prompt = await anyio.to_thread.run_sync(conv.prompt, messages, tools)
+        result, call = await self._generate(prompt.ids, model, agent, timeout_s, sampling)
+        reply = await anyio.to_thread.run_sync(conv.reply, result.token_ids, result.finish_reason)
+        conv.record(messages, tools, prompt.ids, result.token_ids, result.finish_reason, reply)
+        return ChatCompletion(reply, call, result)
+
+    async def generate(self, prompt_ids: Sequence[int], *, model: str | None = None, agent: str | None = None,
+                       timeout_s: float | None = None, **sampling: Any) -> GenResult:
+        """Raw token ids in, GenResult out; recorded as a Call like `chat`."""
+        model, agent = model or self.model, agent if agent is not None else self.agent
+        result, _ = await self._generate(list(prompt_ids), model, agent, timeout_s, sampling)
+        return result
+
+    def record(self, call: Call) -> None:
+        """Add a call made elsewhere (another process's client, say) to this episode's calls."""
+        self.calls.append(call)
+
+    def _conversation(self, model: str, agent: str) -> Conversations:
+        key = (model, agent)
+        if key not in self._conversations:
+            self._conversations[key] = Conversations(Template(self.client.tokenizers.get(model)))
+        return self._conversations[key]
+
+    async def _generate(self, prompt_ids: list[int], model: str, agent: str, timeout_s: float | None,
+                        sampling: dict) -> tuple[GenResult, Call]:
+        unknown = set(sampling) - set(SAMPLING)
+        if unknown:
+            raise TypeError(f"unknown sampling parameter(s) {sorted(unknown)}; supported: {', '.join(SAMPLING)}")
+        if model not in self.client.tokenizers:
+            self.client.tokenizers.get(model)  # raises, naming the configured models
+        request = GenRequest(reply_to="", model=model, prompt_ids=prompt_ids, episode_id=self.episode_id,
+                             agent=agent, **sampling)
+        result = await self.client.generate(request, timeout_s)
+        call = Call(prompt_ids, result.token_ids, result.logprobs, result.version, model, agent,
+                    result.finish_reason)
+        self.record(call)
+        return result, call

@@ -1,0 +1,39 @@
+"""Built-in tasks and their datasets: what tests, the CPU demo and the docs run.
+
+`dataset(name, n=..., seed=...)` returns `n` rows (plain dicts, as a JSONL
+dataset would give) of a built-in dataset; `jet enqueue` calls it for dataset
+names that are not files. Rows are deterministic in (n, seed).
+
+Built-in datasets and the workflows that play them:
+- "guess": a hidden number, guessed with higher/lower feedback
+  (`jet.tasks.guess:workflow`, written against `jet.llm`);
+- "arith": an arithmetic question and its integer answer, e.g.
+  {"question": "12 + 7 * 3", "answer": 33} (`jet.tasks.expressions`; a
+  calculator-tool workflow uses `jet.tasks.expressions.evaluate`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from jet.errors import ConfigError
+
+DATASETS = {
+    "guess": "jet.tasks.guess:rows",
+    "arith": "jet.tasks.expressions:rows",
+}
+
+
+def names() -> list[str]:
+    return sorted(DATASETS)
+
+
+def dataset(name: str, n: int = 100, seed: int = 0) -> list[dict]:
+    """`n` rows of the built-in dataset `name`, deterministic in `seed`."""
+    if name not in DATASETS:
+        raise ConfigError(f"dataset: unknown built-in dataset {name!r}; built-in: {', '.join(names())} "
+                          "(or give a .jsonl file)")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    module, _, fn = DATASETS[name].partition(":")
+    return getattr(importlib.import_module(module), fn)(n, seed)

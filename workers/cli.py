@@ -1,0 +1,23 @@
+"""`jet worker ...`: the rollout roles, each imported only when invoked.
+
+`jet worker env` runs agent episodes (jet.workers.env); `jet worker infer`
+serves one model's generation requests (jet.workers.infer). Each module also
+runs alone: `python -m jet.workers.env ...`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from jet.cli import LazyGroup
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "env": ("jet.workers.env:cli", "Run agent episodes of the configured tasks (tasks:<task> -> traj:<model>)."),
+        "infer": ("jet.workers.infer:cli", "Serve one model's generation requests (gen:<model>), hf or vllm."),
+    },
+)
+def worker() -> None:
+    """Rollout workers: env (agent episodes) and infer (generation)."""

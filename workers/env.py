@@ -1,0 +1,294 @@
+"""The env worker: `jet worker env --config C [-n N]` runs agent episodes.
+
+What it is: for each configured task (or those named with --task), a consumer
+of `tasks:<task>` (group `env`, consumer `<host>-env-<task>-<slot>`) that keeps
+up to `tasks[].concurrency` episodes running at once in this process, all
+sharing one LLM client (`jet.llm`, one reply stream per process). Scale by
+process count (`-n N`, or more machines).
+
+Per episode (`jet.workers.episode`): run the workflow and reward under the
+episode timeout, merge the calls, then ONE atomic commit: the task's ack + its
+idempotency marker + the Trajectory on `traj:<model>` for each trained model,
+and, when the episode failed, either a copy of the task with attempt + 1 on
+`tasks:<task>` (while attempt < max_retries) or its dead letter (which
+`jet dlq requeue` turns back into a fresh first attempt). A failed
+episode is still published (failed=True, with its traceback) so the trainer
+can count the group member. A redelivered task whose commit already happened
+is acked, not re-run (the Consumer's marker check).
+
+Around it: the lease keeper renews leases of running episodes, the reaper
+reclaims tasks of crashed workers, Redis trouble inside an episode gives the
+task back for another delivery (never counted as the episode's failure), and a
+full trajectory stream makes the commit wait (backpressure). SIGTERM drains:
+no new tasks, running episodes get `drain_timeout_s` to finish, the rest are
+released for other workers at once.
+
+What it is not: a sandbox. Workflows run in this process (`runtime.python`
+other than this interpreter is refused; `runtime.cwd` is put on sys.path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+
+import anyio
+import click
+
+import jet
+from jet.cliopts import redis_url_option, resolve_url
+from jet.config import JetConfig, TaskConfig
+from jet.errors import CodecError, ConfigError, ConnectError, QueueError
+from jet.keys import GROUP_ENV, Keys
+from jet.llm import LLMClient, Tokenizers, open_client
+from jet.queues import codec
+from jet.queues.connect import connect, retry_forever, translated
+from jet.queues.consumer import Consumer, Delivery, consumer_name
+from jet.queues.producer import safe_trim
+from jet.queues.reaper import Reaper
+from jet.queues.serve import lease_keeper, reaper_loop
+from jet.wire import Task
+from jet.workers.episode import Outcome, load_function, play, trajectories
+from jet.workers.processes import queue_settings
+
+log = logging.getLogger(__name__)
+
+
+class TaskRunner:
+    """Runs episodes of one task in this process."""
+
+    def __init__(self, cfg: JetConfig, task: TaskConfig, url: str, llm: LLMClient, slot: int,
+                 drain_timeout_s: float):
+        self.cfg, self.t, self.url, self.llm = cfg, task, url, llm
+        self.keys = Keys(cfg.run)
+        self.name = consumer_name(f"env-{task.name}", slot)
+        self.trained = {m.name for m in cfg.models if m.trainable}
+        self.drain_timeout_s = drain_timeout_s
+        self.running: set[str] = set()
+        self._freed = anyio.Event()
+
+    async def run(self, stop: anyio.Event) -> None:
+        settings = queue_settings(self.cfg, self.t.concurrency)
+        r = await retry_forever(lambda: connect(self.url, name=self.name), url=self.url, what="connect")
+        rb = await connect(self.url, block_ms=settings.block_ms, name=self.name)
+        c = Consumer(r, rb, self.url, self.keys, self.keys.tasks(self.t.name), GROUP_ENV, self.name, settings)
+        workflow = _load(self.t.workflow, f"tasks.{self.t.name}.workflow")
+        reward = _load(self.t.reward, f"tasks.{self.t.name}.reward") if self.t.reward else None
+        inner = anyio.Event()
+        try:
+            await retry_forever(c.ensure_group, url=self.url, what=f"create group {GROUP_ENV}")
+            every = min(5.0, max(0.1, settings.lease_ms / 2000))
+            async with anyio.create_task_group() as helpers:
+                helpers.start_soon(lease_keeper, c, inner)
+                helpers.start_soon(reaper_loop, Reaper(c), inner, every)
+                async with anyio.create_task_group() as episodes:
+                    await self._feed(c, episodes, stop, workflow, reward)
+                    with anyio.move_on_after(self.drain_timeout_s):
+                        while self.running:
+                            await self._wait_freed(1.0)
+                    episodes.cancel_scope.cancel()
+                inner.set()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                if c.inflight:  # drained or cancelled: give unfinished tasks back at once
+                    await c.release()
+                await r.aclose()
+                await rb.aclose()
+
+    async def _feed(self, c: Consumer, episodes, stop: anyio.Event, workflow, reward) -> None:
+        """Fetch tasks while there is room, until `stop`."""
+        while not stop.is_set():
+            free = self.t.concurrency - len(self.running)
+            if free <= 0:
+                await self._wait_freed(0.5)
+                continue
+            try:
+                batch = await c.fetch(count=free)
+            except ConnectError as e:
+                log.warning("%s; reconnecting", e)
+                await anyio.sleep(0.5)
+                c.restarted()
+                continue
+            except QueueError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                await c.ensure_group()  # the server lost its data: start the group again
+                continue
+            for d in batch:
+                if d.entry_id in self.running:  # re-read after a reconnect while still running here
+                    continue
+                self.running.add(d.entry_id)
+                episodes.start_soon(self._episode, c, d, workflow, reward)
+
+    async def _wait_freed(self, timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            await self._freed.wait()
+        self._freed = anyio.Event()
+
+    async def _episode(self, c: Consumer, d: Delivery, workflow, reward) -> None:
+        try:
+            task, bad = self._task(d)
+            if task is None:
+                await c.dead(d.entry_id, d.fields, bad, d.deliveries)
+                return
+            session = self.llm.session(task.msg_id, self.t.model)
+            try:
+                out = await play(task, session, workflow, reward, timeout_s=self.t.episode_timeout_s,
+                                 merge_mode=self.t.merge, trained=self.trained)
+            finally:
+                self.llm.close_session(task.msg_id)
+            await self._publish(c, d, task, out)
+        except QueueError as e:  # Redis trouble is not the episode's fault: deliver the task again
+            log.warning("task %s: %s; giving it back", d.entry_id, e)
+            with anyio.move_on_after(5):
+                try:
+                    await c.fail(d, "".join(traceback.format_exception(e)))
+                except QueueError:
+                    pass  # unreachable: the lease expires and the reaper hands it out again
+        finally:
+            self.running.discard(d.entry_id)
+            self._freed.set()
+
+    def _task(self, d: Delivery) -> tuple[Task | None, str]:
+        """The task, or None and why it is dead on arrival."""
+        try:
+            task = Task.from_payload(d.payload)
+        except CodecError as e:
+            return None, str(e)
+        if task.task != self.t.name:
+            return None, f"task {task.task!r} on the stream of task {self.t.name!r}"
+        return task, ""
+
+    async def _publish(self, c: Consumer, d: Delivery, task: Task, out: Outcome) -> None:
+        """Trajectories + ack (+ retry copy or dead letter), in one atomic commit."""
+        retry = out.failed and task.attempt < self.t.max_retries
+        meta = {"worker": self.name, "workflow": self.t.workflow, "reward_fn": self.t.reward,
+                "deliveries": d.deliveries, "pid": os.getpid(), "jet": jet.__version__}
+        try:
+            outputs = self._trajectories(task, out, retry, meta)
+        except CodecError as e:  # e.g. the samples exceed queues.max_entry_bytes: publish the failure
+            out.fail(f"cannot publish the trajectory: {e}")
+            out.info = {}
+            retry = task.attempt < self.t.max_retries
+            outputs = self._trajectories(task, out, retry, meta)
+        if out.failed:
+            log.warning("episode %s of %s (attempt %d) failed: %s", task.msg_id, task.task, task.attempt, out.error)
+            outputs.append(self._retry(task) if retry else self._dead_letter(c, d, task, out))
+        await self._wait_for_room(c, [key for key, _ in outputs if key != c.stream])
+        done = await c.commit([(d, outputs)])
+        if out.failed and not retry and done[0]:
+            with translated(self.url):
+                await c.r.hincrby(self.keys.stats, "dead", 1)
+
+    def _trajectories(self, task: Task, out: Outcome, retry: bool, meta: dict) -> list[tuple[str, dict]]:
+        trajs = trajectories(task, out, episode_id=task.msg_id, task_model=self.t.model,
+                             trained=self.trained, retry=retry, meta=meta)
+        return [(self.keys.traj(t.model), t.to_fields(self.cfg.queues.max_entry_bytes)) for t in trajs]
+
+    def _retry(self, task: Task) -> tuple[str, dict]:
+        again = Task(task=task.task, row=task.row, group_id=task.group_id, index=task.index,
+                     group_size=task.group_size, attempt=task.attempt + 1)
+        return self.keys.tasks(task.task), again.to_fields()
+
+    def _dead_letter(self, c: Consumer, d: Delivery, task: Task, out: Outcome) -> tuple[str, dict]:
+        """A dead letter in `Consumer.dead`'s layout, written by the commit. Its original entry is a
+        fresh copy of the task (new id, attempt 0): the commit marks the old id done, so `jet dlq
+        requeue` of the old entry would be skipped as a duplicate; the copy runs again, with retries."""
+        meta = {"stream": self.keys.short(c.stream), "entry_id": d.entry_id, "group": c.group,
+                "consumer": c.name, "reason": f"episode failed {task.attempt + 1} times: {out.error}",
+                "deliveries": d.deliveries, "time": time.time(), "last_error": (out.traceback or "")[-4000:],
+                "task_id": task.msg_id}
+        fresh = Task(task=task.task, row=task.row, group_id=task.group_id, index=task.index,
+                     group_size=task.group_size).to_fields()
+        raw = {k.decode(): v for k, v in fresh.items()}
+        return self.keys.dead, codec.encode("dead", meta, raw=raw, max_bytes=1 << 62)
+
+    async def _wait_for_room(self, c: Consumer, streams: list[str]) -> None:
+        """Backpressure: wait while an output stream is at its maxlen (trimming consumed entries first)."""
+        maxlen = self.cfg.queues.maxlen
+        for key in set(streams):
+            kind = self.keys.short(key).split(":", 1)[0]
+            delay = 0.05
+            while kind in maxlen:
+                with translated(self.url):
+                    if await c.r.xlen(key) < maxlen[kind] or await safe_trim(c.r, key, self.url):
+                        break
+                await anyio.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+
+def _load(spec: str, key: str):
+    try:
+        return load_function(spec)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise ConfigError(f"{key}: cannot load {spec!r}: {type(e).__name__}: {e}") from e
+
+
+async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tasks: tuple[str, ...] = (),
+              drain_timeout_s: float = 30.0, request_timeout_s: float | None = None) -> None:
+    """Run episodes of the configured tasks until `stop`, then drain."""
+    chosen = [t for t in cfg.tasks if not tasks or t.name in tasks]
+    unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
+    if unknown or not chosen:
+        raise ConfigError(f"--task: unknown task(s) {unknown}" if unknown else "tasks: none configured")
+    for t in chosen:
+        if t.runtime.python and os.path.realpath(t.runtime.python) != os.path.realpath(sys.executable):
+            raise ConfigError(f"tasks.{t.name}.runtime.python: running workflows under another interpreter "
+                              "is not supported by this env worker; leave it unset")
+        if t.runtime.cwd and t.runtime.cwd not in sys.path:
+            sys.path.insert(0, t.runtime.cwd)
+    tokenizers = Tokenizers({m.name: m.path for m in cfg.models})
+    for model in {t.model for t in chosen}:  # load before the first episodes, not under their timeout
+        await anyio.to_thread.run_sync(tokenizers.get, model)
+    timeout = request_timeout_s or max(30.0, 3 * cfg.queues.lease_ms / 1000)
+    async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout,
+                           gen_maxlen=cfg.queues.maxlen.get("gen", 10_000)) as llm:
+        log.info("env worker slot %d: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
+        async with anyio.create_task_group() as tg:
+            for t in chosen:
+                tg.start_soon(TaskRunner(cfg, t, url, llm, slot, drain_timeout_s).run, stop)
+
+
+@click.command("env")
+@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
+              type=click.Path(dir_okay=False), help="Experiment config (tasks, models, queues, run).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@click.option("--task", "tasks", multiple=True, help="Run only these tasks (repeatable; default: all).")
+@click.option("-n", "processes", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
+@click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
+              help="First slot number (stable consumer names: host-env-<task>-<slot>).")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="On SIGTERM, seconds running episodes get to finish before they are released.")
+@redis_url_option
+def cli(config_path, overrides, tasks, processes, slot, drain_timeout, redis_url) -> None:
+    """Run agent episodes of the configured tasks (tasks:<task> -> traj:<model>)."""
+    from jet.config import REDIS_URL_ENV, load_file
+    from jet.workers.processes import run_until_signal, supervise
+
+    try:
+        cfg = load_file(config_path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
+    if unknown:
+        raise click.UsageError(f"--task: unknown task(s) {unknown}; configured: {[t.name for t in cfg.tasks]}")
+    url = resolve_url(redis_url)
+    if processes > 1:
+        def argv_of(i: int) -> list[str]:
+            argv = [sys.executable, "-m", "jet.workers.env", "--config", config_path, "--slot", str(slot + i),
+                    "--drain-timeout", str(drain_timeout)]
+            return argv + [x for o in overrides for x in ("--set", o)] + [x for t in tasks for x in ("--task", t)]
+
+        os.environ[REDIS_URL_ENV] = url  # children inherit it; a password never shows in `ps`
+        raise SystemExit(supervise(argv_of, processes))
+    run_until_signal(lambda stop: run(cfg, url, stop, slot=slot, tasks=tasks, drain_timeout_s=drain_timeout))
+
+
+if __name__ == "__main__":
+    from jet.cli import setup_logging
+
+    setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
+    cli()

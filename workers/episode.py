@@ -1,0 +1,164 @@
+"""One episode: run the task's workflow and reward under a timeout, merge its calls.
+
+What it is: `play` runs `workflow(task, llm)` (async, or sync in a thread with
+a blocking `llm`), then `reward(task, result)` when the task names a reward
+function (else the workflow's return value is the reward), all under the
+episode timeout, and merges the recorded calls into timelines
+(`jet.timeline.merge_calls`, the task's merge mode). `trajectories` turns the
+`Outcome` into one Trajectory per model's trainer.
+
+Failure policy: any exception of agent or reward code, a timeout, a generation
+error, a bad reward, or merged samples that do not fit in a stream entry fail
+THIS episode: the Outcome carries a one-line reason and the traceback. Only
+Redis trouble (`QueueError`) propagates: it is not the episode's fault, so the
+env worker gives the task back for another try instead of counting a failure.
+
+Rewards: a number, or a dict agent name -> number. With a dict, each agent's
+calls are merged separately and get that agent's reward; every agent that made
+calls on a trained model needs an entry. Only models that are trained get
+samples (a frozen judge's calls are context, not training data).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import anyio
+import orjson
+
+from jet.errors import QueueError
+from jet.llm import Session
+from jet.timeline import Call, Sample, merge_calls
+from jet.wire import Reward, Task, Trajectory
+
+
+@functools.cache
+def load_function(spec: str) -> Callable:
+    """`"package.module:function"` -> the function (imported once)."""
+    module, _, name = spec.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{spec} is not callable")
+    return obj
+
+
+@dataclass(slots=True)
+class Outcome:
+    reward: Reward | None = None
+    samples: dict[str, list[Sample]] = field(default_factory=dict)  # model -> merged samples
+    calls: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # one line; set when the episode failed
+    traceback: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, error: str, tb: str | None = None) -> None:
+        self.error, self.traceback, self.samples = error, tb, {}
+
+
+class SyncSession:
+    """A blocking view of a Session for sync workflows running in a worker thread."""
+
+    def __init__(self, session: Session):
+        self.session, self.info, self.calls = session, session.info, session.calls
+
+    def chat(self, messages, **kwargs) -> dict:
+        return anyio.from_thread.run(functools.partial(self.session.chat, messages, **kwargs))
+
+    def generate(self, prompt_ids, **kwargs):
+        return anyio.from_thread.run(functools.partial(self.session.generate, prompt_ids, **kwargs))
+
+
+def is_async(fn: Callable) -> bool:
+    """An `async def` function, or an object whose __call__ is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def _call(fn: Callable, *args: Any) -> Any:
+    if is_async(fn):
+        return await fn(*args)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True)
+
+
+def check_reward(value: Any) -> Reward:
+    """A finite number or a dict of finite numbers, as floats; ValueError otherwise."""
+    def number(x: Any) -> float:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"a reward must be a finite number or a dict agent -> number, got {x!r}")
+        return float(x)
+
+    if isinstance(value, dict):
+        return {str(k): number(v) for k, v in value.items()}
+    return number(value)
+
+
+def merge(calls: list[Call], reward: Reward, mode: str, episode_id: str, trained: set[str]) -> dict[str, list[Sample]]:
+    """Merged samples of the trained models' calls, per model."""
+    calls = [c for c in calls if c.model in trained]
+    if isinstance(reward, dict):
+        missing = sorted({c.agent for c in calls} - set(reward))
+        if missing:
+            raise ValueError(f"the reward dict has no entry for agent(s) {missing}")
+        groups = [([c for c in calls if c.agent == a], reward[a]) for a in dict.fromkeys(c.agent for c in calls)]
+    else:
+        groups = [(calls, reward)]
+    out: dict[str, list[Sample]] = {}
+    for group, r in groups:
+        for s in merge_calls(group, mode, episode_id=episode_id, reward=r):
+            out.setdefault(s.model, []).append(s)
+    return out
+
+
+async def play(task: Task, llm: Session, workflow: Callable, reward_fn: Callable | None, *, timeout_s: float,
+               merge_mode: str, trained: set[str]) -> Outcome:
+    """Run one episode to an Outcome; raises only QueueError (and cancellation)."""
+    out, start = Outcome(), time.monotonic()
+    try:
+        with anyio.move_on_after(timeout_s) as scope:
+            agent = llm if is_async(workflow) else SyncSession(llm)
+            result = await _call(workflow, task, agent)
+            reward = check_reward(await _call(reward_fn, task, result) if reward_fn else result)
+            out.reward = reward
+            out.samples = await anyio.to_thread.run_sync(merge, list(llm.calls), reward, merge_mode,
+                                                         llm.episode_id, trained)
+        if scope.cancelled_caught:
+            out.fail(f"episode timed out after {timeout_s:g}s")
+    except QueueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - agent and reward code may raise anything: it fails the episode
+        out.fail(f"{type(e).__name__}: {e}"[:500], traceback.format_exc()[-8000:])
+    out.calls, out.info, out.duration_s = len(llm.calls), _jsonable(llm.info), time.monotonic() - start
+    return out
+
+
+def _jsonable(info: dict) -> dict:
+    try:
+        return orjson.loads(orjson.dumps(info, default=str, option=orjson.OPT_NON_STR_KEYS))
+    except (TypeError, orjson.JSONEncodeError):
+        return {"unserialisable_info": repr(info)[:2000]}
+
+
+def trajectories(task: Task, out: Outcome, *, episode_id: str, task_model: str, trained: set[str],
+                 retry: bool, meta: dict[str, Any]) -> list[Trajectory]:
+    """One Trajectory per trained model that has samples, plus the task's model (if trained) always:
+    its trainer counts every member of a group, failed ones included."""
+    models = sorted(set(out.samples) | ({task_model} & trained))
+    meta = {**meta, "info": out.info, "calls": out.calls, "duration_s": round(out.duration_s, 3)}
+    return [Trajectory(task=task.task, group_id=task.group_id, index=task.index, episode_id=episode_id, model=m,
+                       reward=out.reward if out.reward is not None else 0.0, samples=tuple(out.samples.get(m, ())),
+                       group_size=task.group_size, attempt=task.attempt, failed=out.failed,
+                       retry=retry and out.failed, error=out.error, traceback=out.traceback, meta=meta)
+            for m in models]
