@@ -196,6 +196,7 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
     try:
         code = _run(cfg, sup, feed, episodes, no_live)
     finally:
+        click.echo(feed.summary(), err=True)
         click.echo("draining roles...", err=True)
         codes = sup.stop(timeout=60)
         feed.close()

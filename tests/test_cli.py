@@ -154,3 +154,18 @@ def test_unreachable_server_names_url_without_password():
     assert res.returncode == 1
     assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in res.stderr
     assert "hunter2" not in res.stderr + res.stdout
+
+
+def test_enqueue_builtin_dataset_and_config(redis_url, keys, tmp_path):
+    res = jet("enqueue", "guess", "--dataset", "guess", "-n", "5", "--group-size", "2", "--run", keys.run,
+              "--redis-url", redis_url)
+    assert res.exit_code == 0, res.output
+    assert "enqueued 10 tasks (5 rows x 2)" in res.output
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: {keys.run}\nmodels: [{{name: m, path: /nonexistent}}]\n"
+                   "tasks: [{name: arith, workflow: 'a:b', dataset: arith, group_size: 3, model: m}]\n")
+    res = jet("enqueue", "arith", "--config", str(cfg), "-n", "4", "--redis-url", redis_url)
+    assert res.exit_code == 0, res.output
+    assert "enqueued 12 tasks (4 rows x 3)" in res.output and keys.tasks("arith") in res.output
+    res = jet("enqueue", "guess", "--dataset", "nope", "--run", keys.run, "--redis-url", redis_url)
+    assert res.exit_code == 1 and "unknown built-in dataset 'nope'" in res.output
