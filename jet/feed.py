@@ -17,7 +17,9 @@ import logging
 from typing import Any
 
 import anyio.from_thread
+import click
 
+from jet.cliopts import redis_url_option, resolve_url, run_dir_option
 from jet.config import JetConfig
 from jet.keys import GROUP_ENV, Keys
 from jet.wire import Task, Trajectory
@@ -143,3 +145,36 @@ class Feeder:
         mean = f"{sum(recent) / len(recent):.3f}" if recent else "-"
         return (f"enqueued {sum(self.enqueued.values())} tasks; trajectories {self.trajectories} "
                 f"({self.failed} failed); reward mean (last {len(recent)}) {mean}")
+
+
+@click.command("feed")
+@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
+              type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@click.option("--every", type=float, default=2.0, show_default=True, help="Seconds between top-ups.")
+@redis_url_option
+@run_dir_option
+def cli(config_path, overrides, every, redis_url, run_dir) -> None:
+    """Keep every task stream of a config topped up from its dataset (what `jet up` does)."""
+    import signal
+    import time
+
+    from jet.config import load_file
+    from jet.errors import ConfigError
+
+    try:
+        cfg = load_file(config_path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    feed = Feeder(cfg, resolve_url(redis_url, run_dir))
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            feed.tick()
+            log.info("%s", feed.summary())
+            time.sleep(every)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        feed.close()

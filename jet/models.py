@@ -309,8 +309,12 @@ def cli() -> None:
 @click.option("--vocab-size", type=click.IntRange(min=300), default=1024, show_default=True)
 @click.option("--max-position", type=click.IntRange(min=16), default=2048, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def init(out_dir, arch, template, hidden, layers, heads, kv_heads, vocab_size, max_position, seed) -> None:
+@click.option("--exist-ok", is_flag=True, help="Do nothing when DIR already holds a model (for deployments).")
+def init(out_dir, arch, template, hidden, layers, heads, kv_heads, vocab_size, max_position, seed, exist_ok) -> None:
     """Write a random tiny causal LM and its tokenizer as a Hugging Face directory."""
+    if exist_ok and (Path(out_dir) / "config.json").is_file():
+        click.echo(f"{out_dir} exists; left as it is")
+        return
     path = init_model(
         out_dir, arch=arch, template=template, vocab_size=vocab_size, hidden_size=hidden,
         layers=layers, heads=heads, kv_heads=kv_heads, max_position=max_position, seed=seed,
