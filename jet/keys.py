@@ -48,6 +48,16 @@ class Keys:
     def weights(self, model: str) -> str:
         return f"{self.prefix}weights:{check_name('model', model)}"
 
+    def calls(self, episode_id: str, tag: str) -> str:
+        """Stream of the LLM calls a `jet gateway` answered for one run (`tag`) of an episode;
+        the env worker creates it when the episode starts and reads and deletes it at its end."""
+        return f"{self.prefix}calls:{check_name('episode', episode_id)}.{check_name('tag', tag)}"
+
+    @property
+    def gateway_secret(self) -> str:
+        """String: the run's HMAC key for gateway API keys (unless $JET_GATEWAY_SECRET is set)."""
+        return f"{self.prefix}gateway:secret"
+
     @property
     def dead(self) -> str:
         return f"{self.prefix}dead"

@@ -10,6 +10,10 @@ What it is:
   model, agent) in `session.calls`, and returns the assistant message.
   `chat_completion` returns the same plus the raw result (what an HTTP gateway
   needs); `generate` is the raw token-ids path, recorded the same way.
+  An env worker also gives each session the base URL and API key of its
+  OpenAI-compatible gateway (`openai_base_url`, `openai_api_key`,
+  `openai_client()`; see `jet.workers.gateway`), so agents written against an
+  OpenAI SDK are recorded into the same episode.
 
 Delivery choices:
 - The reply stream is read with plain XREAD (no group), from where the client
@@ -39,12 +43,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import anyio
 
 from jet.chat import Conversations, Message, Template
-from jet.errors import CodecError, ConnectError, GenerationError, GenerationTimeout
+from jet.errors import CodecError, ConnectError, GenerationError, GenerationTimeout, JetError
 from jet.keys import Keys
 from jet.queues import codec
 from jet.queues.connect import connect, translated
@@ -257,6 +261,11 @@ class Session:
         self.client, self.episode_id, self.model, self.agent = client, episode_id, model, agent
         self.calls: list[Call] = []
         self.info: dict[str, Any] = {}
+        self.tag = uuid.uuid4().hex[:16]  # this run of the episode (a redelivered task's re-run gets another)
+        # Set by the env worker's gateway (jet.workers.gateway) so OpenAI-SDK agents reach this episode:
+        self.openai_base_url: str | None = None  # e.g. http://127.0.0.1:PORT/v1
+        self.openai_api_key: str | None = None  # the key of (self.model, self.agent)
+        self.mint_key: Callable[[str, str], str] | None = None  # (model, agent) -> a key of this episode
         self._conversations: dict[tuple[str, str], Conversations] = {}
 
     async def chat(self, messages: Sequence[Message], *, model: str | None = None,
@@ -272,7 +281,7 @@ class Session:
                               timeout_s: float | None = None, **sampling: Any) -> ChatCompletion:
         model, agent = model or self.model, agent if agent is not None else self.agent
         messages = [dict(m) for m in messages]
-        conv = await anyio.to_thread.run_sync(self._conversation, model, agent)
+        conv = await anyio.to_thread.run_sync(self.conversation, model, agent)
         prompt = await anyio.to_thread.run_sync(conv.prompt, messages, tools)
         result, call = await self._generate(prompt.ids, model, agent, timeout_s, sampling)
         reply = await anyio.to_thread.run_sync(conv.reply, result.token_ids, result.finish_reason)
@@ -290,7 +299,25 @@ class Session:
         """Add a call made elsewhere (another process's client, say) to this episode's calls."""
         self.calls.append(call)
 
-    def _conversation(self, model: str, agent: str) -> Conversations:
+    def openai_credentials(self, *, model: str | None = None, agent: str | None = None) -> tuple[str, str]:
+        """(base URL, API key) of the gateway for this episode's calls as `agent` on `model`."""
+        if self.openai_base_url is None or self.openai_api_key is None or self.mint_key is None:
+            raise JetError("this session has no gateway: only sessions of an env worker's episodes get one")
+        model, agent = model or self.model, agent if agent is not None else self.agent
+        if (model, agent) == (self.model, self.agent):
+            return self.openai_base_url, self.openai_api_key
+        return self.openai_base_url, self.mint_key(model, agent)
+
+    def openai_client(self, *, model: str | None = None, agent: str | None = None, sync: bool = False,
+                      **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` (`OpenAI` with sync=True) whose calls are recorded in this episode."""
+        import openai
+
+        base_url, api_key = self.openai_credentials(model=model, agent=agent)
+        return (openai.OpenAI if sync else openai.AsyncOpenAI)(base_url=base_url, api_key=api_key, **kwargs)
+
+    def conversation(self, model: str, agent: str) -> Conversations:
+        """The kept turns of `agent` on `model` (blocking on first use: loads the tokenizer)."""
         key = (model, agent)
         if key not in self._conversations:
             self._conversations[key] = Conversations(Template(self.client.tokenizers.get(model)))

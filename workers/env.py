@@ -23,12 +23,18 @@ full trajectory stream makes the commit wait (backpressure). SIGTERM drains:
 no new tasks, running episodes get `drain_timeout_s` to finish, the rest are
 released for other workers at once.
 
+OpenAI-SDK agents: each episode's session gets the base URL and API key of
+an OpenAI-compatible gateway (`jet.workers.gateway`): by default one embedded
+in this process on loopback; with `--gateway-url` a standalone `jet gateway`,
+whose recorded calls are collected before the merge and the commit.
+
 What it is not: a sandbox. Workflows run in this process (`runtime.python`
 other than this interpreter is refused; `runtime.cwd` is put on sys.path).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -52,17 +58,20 @@ from jet.queues.reaper import Reaper
 from jet.queues.serve import lease_keeper, reaper_loop
 from jet.wire import Task
 from jet.workers.episode import Outcome, load_function, play, trajectories
+from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway
 from jet.workers.processes import queue_settings
 
 log = logging.getLogger(__name__)
+
+GATEWAY_URL_ENV = "JET_GATEWAY_URL"
 
 
 class TaskRunner:
     """Runs episodes of one task in this process."""
 
     def __init__(self, cfg: JetConfig, task: TaskConfig, url: str, llm: LLMClient, slot: int,
-                 drain_timeout_s: float):
-        self.cfg, self.t, self.url, self.llm = cfg, task, url, llm
+                 drain_timeout_s: float, gateway: Episodes):
+        self.cfg, self.t, self.url, self.llm, self.gateway = cfg, task, url, llm, gateway
         self.keys = Keys(cfg.run)
         self.name = consumer_name(f"env-{task.name}", slot)
         self.trained = {m.name for m in cfg.models if m.trainable}
@@ -136,10 +145,14 @@ class TaskRunner:
                 return
             session = self.llm.session(task.msg_id, self.t.model)
             try:
+                await self.gateway.open(session, ttl_s=self.t.episode_timeout_s + KEY_GRACE_S)
                 out = await play(task, session, workflow, reward, timeout_s=self.t.episode_timeout_s,
-                                 merge_mode=self.t.merge, trained=self.trained)
+                                 merge_mode=self.t.merge, trained=self.trained,
+                                 collect=functools.partial(self.gateway.collect, session))
             finally:
                 self.llm.close_session(task.msg_id)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await self.gateway.close(session)
             await self._publish(c, d, task, out)
         except QueueError as e:  # Redis trouble is not the episode's fault: deliver the task again
             log.warning("task %s: %s; giving it back", d.entry_id, e)
@@ -228,8 +241,12 @@ def _load(spec: str, key: str):
 
 
 async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tasks: tuple[str, ...] = (),
-              drain_timeout_s: float = 30.0, request_timeout_s: float | None = None) -> None:
-    """Run episodes of the configured tasks until `stop`, then drain."""
+              drain_timeout_s: float = 30.0, request_timeout_s: float | None = None,
+              gateway_url: str | None = None) -> None:
+    """Run episodes of the configured tasks until `stop`, then drain.
+
+    `gateway_url`: the /v1 URL of a standalone `jet gateway` for OpenAI-SDK
+    agents; None serves an embedded one on loopback."""
     chosen = [t for t in cfg.tasks if not tasks or t.name in tasks]
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
     if unknown or not chosen:
@@ -247,9 +264,9 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tas
     async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout,
                            gen_maxlen=cfg.queues.maxlen.get("gen", 10_000)) as llm:
         log.info("env worker slot %d: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
-        async with anyio.create_task_group() as tg:
+        async with episode_gateway(cfg, url, llm, gateway_url) as gateway, anyio.create_task_group() as tg:
             for t in chosen:
-                tg.start_soon(TaskRunner(cfg, t, url, llm, slot, drain_timeout_s).run, stop)
+                tg.start_soon(TaskRunner(cfg, t, url, llm, slot, drain_timeout_s, gateway).run, stop)
 
 
 @click.command("env")
@@ -262,8 +279,11 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tas
               help="First slot number (stable consumer names: host-env-<task>-<slot>).")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGTERM, seconds running episodes get to finish before they are released.")
+@click.option("--gateway-url", envvar=GATEWAY_URL_ENV, default=None, metavar="URL",
+              help="Base URL (.../v1) of a standalone `jet gateway` for OpenAI-SDK agents "
+                   "(default: one embedded in each worker, on loopback).")
 @redis_url_option
-def cli(config_path, overrides, tasks, processes, slot, drain_timeout, redis_url) -> None:
+def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_url, redis_url) -> None:
     """Run agent episodes of the configured tasks (tasks:<task> -> traj:<model>)."""
     from jet.config import REDIS_URL_ENV, load_file
     from jet.workers.processes import run_until_signal, supervise
@@ -283,8 +303,11 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, redis_url
             return argv + [x for o in overrides for x in ("--set", o)] + [x for t in tasks for x in ("--task", t)]
 
         os.environ[REDIS_URL_ENV] = url  # children inherit it; a password never shows in `ps`
+        if gateway_url:
+            os.environ[GATEWAY_URL_ENV] = gateway_url
         raise SystemExit(supervise(argv_of, processes))
-    run_until_signal(lambda stop: run(cfg, url, stop, slot=slot, tasks=tasks, drain_timeout_s=drain_timeout))
+    run_until_signal(lambda stop: run(cfg, url, stop, slot=slot, tasks=tasks, drain_timeout_s=drain_timeout,
+                                      gateway_url=gateway_url))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 import orjson
@@ -74,6 +74,18 @@ class SyncSession:
 
     def __init__(self, session: Session):
         self.session, self.info, self.calls = session, session.info, session.calls
+
+    model = property(lambda self: self.session.model)
+    episode_id = property(lambda self: self.session.episode_id)
+    openai_base_url = property(lambda self: self.session.openai_base_url)
+    openai_api_key = property(lambda self: self.session.openai_api_key)
+
+    def openai_credentials(self, **kwargs) -> tuple[str, str]:
+        return self.session.openai_credentials(**kwargs)
+
+    def openai_client(self, **kwargs):
+        """An `openai.OpenAI` (blocking) client whose calls are recorded in this episode."""
+        return self.session.openai_client(sync=True, **kwargs)
 
     def chat(self, messages, **kwargs) -> dict:
         return anyio.from_thread.run(functools.partial(self.session.chat, messages, **kwargs))
@@ -123,8 +135,12 @@ def merge(calls: list[Call], reward: Reward, mode: str, episode_id: str, trained
 
 
 async def play(task: Task, llm: Session, workflow: Callable, reward_fn: Callable | None, *, timeout_s: float,
-               merge_mode: str, trained: set[str]) -> Outcome:
-    """Run one episode to an Outcome; raises only QueueError (and cancellation)."""
+               merge_mode: str, trained: set[str], collect: Callable[[], Awaitable[None]] | None = None) -> Outcome:
+    """Run one episode to an Outcome; raises only QueueError (and cancellation).
+
+    `collect`, when given, is awaited after the workflow and reward, before the
+    merge: it adds calls recorded elsewhere (a standalone gateway) to `llm.calls`.
+    """
     out, start = Outcome(), time.monotonic()
     try:
         with anyio.move_on_after(timeout_s) as scope:
@@ -132,6 +148,8 @@ async def play(task: Task, llm: Session, workflow: Callable, reward_fn: Callable
             result = await _call(workflow, task, agent)
             reward = check_reward(await _call(reward_fn, task, result) if reward_fn else result)
             out.reward = reward
+            if collect is not None:
+                await collect()
             out.samples = await anyio.to_thread.run_sync(merge, list(llm.calls), reward, merge_mode,
                                                          llm.episode_id, trained)
         if scope.cancelled_caught:

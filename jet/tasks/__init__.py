@@ -8,8 +8,9 @@ Built-in datasets and the workflows that play them:
 - "guess": a hidden number, guessed with higher/lower feedback
   (`jet.tasks.guess:workflow`, written against `jet.llm`);
 - "arith": an arithmetic question and its integer answer, e.g.
-  {"question": "12 + 7 * 3", "answer": 33} (`jet.tasks.expressions`; a
-  calculator-tool workflow uses `jet.tasks.expressions.evaluate`).
+  {"question": "12 + 7 * 3", "answer": 33} (`jet.tasks.expressions`), answered
+  with a calculator tool by `jet.tasks.arith:workflow`, an agent written
+  against the `openai` SDK that reaches the model through the gateway.
 """
 
 from __future__ import annotations
