@@ -58,6 +58,8 @@ def setup_logging(level: str) -> None:
         "feed": ("jet.feed:cli", "Keep the task streams of a config topped up from their datasets."),
         "bench": ("jet.cli:bench", "Benchmarks that print ratios against an in-run baseline."),
         "model": ("jet.models:cli", "Build tiny local models and tokenizers."),
+        "train": ("jet.trainer.cli:train", "Train a model on its trajectories (torch or deepspeed)."),
+        "plot": ("jet.trainer.cli:plot", "Write PNG curves (reward, loss, staleness, throughput) of a run."),
         "worker": ("jet.workers.cli:worker", "Run env or inference workers (-n N processes)."),
     },
 )
@@ -73,6 +75,7 @@ def main(log_level: str) -> None:
     lazy={
         "queue": ("jet.bench.queue:cli", "Raw XADD rate vs the full consumer hop."),
         "merge": ("jet.bench.merge:cli", "Tokens and train time: none vs exact vs tree merging."),
+        "async": ("jet.bench.async_:cli", "Trainer throughput: synchronous barrier vs bounded staleness."),
     },
 )
 def bench() -> None:

@@ -183,6 +183,10 @@ class TrainerConfig:
     grad_clip: float = 1.0
     # Linear learning-rate warmup (steps).
     warmup_steps: int = 0
+    # Learning rate after warmup: 'constant', or decayed to 0 at `steps` ('linear', 'cosine').
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    # AdamW decoupled weight decay (fraction of the weight per unit of lr).
+    weight_decay: float = 0.0
     # Optimiser steps of the run (steps).
     steps: int = 100
     # Fewest finished episodes a group needs to be trained on after group_timeout_s (episodes).
@@ -193,13 +197,23 @@ class TrainerConfig:
     backend: Literal["torch", "deepspeed"] = "torch"
     # DeepSpeed ZeRO stage, used when backend is 'deepspeed' (0-3).
     zero_stage: Literal[0, 1, 2, 3] = 2
+    # Trainer processes (data-parallel ranks) when backend is 'deepspeed' (processes).
+    nproc: int = 1
+    # Torch device of the trainer ('cpu', 'cuda'); deepspeed ranks on 'cuda' use cuda:<local rank>.
+    device: str = "cpu"
+    # Lease on consumed trajectories, held (and renewed) until a checkpoint makes their step durable (s).
+    lease_s: float = 600.0
+    # Checkpoints kept in the run folder; older ones are deleted (count).
+    keep_checkpoints: int = 2
     # Seed of torch, numpy and the dataset order (integer).
     seed: int = 0
 
     def __post_init__(self):
         positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps",
-                 "min_group_size", "group_timeout_s")
-        non_negative(self, "max_staleness", "checkpoint_every", "kl_coef", "grad_clip", "warmup_steps", "seed")
+                 "min_group_size", "group_timeout_s", "nproc", "lease_s", "keep_checkpoints")
+        non_negative(self, "max_staleness", "checkpoint_every", "kl_coef", "grad_clip", "warmup_steps", "seed",
+                     "weight_decay")
+        require(bool(self.device), "device", "must not be empty")
 
 
 @dataclass(frozen=True, slots=True)

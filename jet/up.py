@@ -93,10 +93,10 @@ class Supervisor:
             self.start(r)
 
     def poll(self) -> None:
-        """Restart crashed non-required roles; a required role's exit is final."""
+        """Restart a role that crashed (a trainer resumes from its checkpoint); a clean exit is final."""
         for r in self.roles:
             code = r.proc.poll() if r.proc else None
-            if code is not None and code != 0 and not r.required and r.restarts < 5:
+            if code is not None and code != 0 and r.restarts < 5:
                 r.restarts += 1
                 self.start(r)
 

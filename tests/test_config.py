@@ -365,3 +365,11 @@ def test_configlib_tuples_optionals_unions_and_nested_containers():
     assert str(error(configlib.load, Outer, {"either": 1.5})) == "either: expected int or str, got 1.5"
     assert configlib.load(Outer, {"inner": None}).inner is None
     assert str(error(configlib.load, Outer, {"pair": 5}, "top")) == "top.pair: expected a list, got 5"
+
+
+def test_trainer_fields_of_the_trainer_issue():
+    cfg = load({"trainer": {"lr_schedule": "cosine", "nproc": 2, "lease_s": 60, "weight_decay": 0.01}})
+    assert (cfg.trainer.lr_schedule, cfg.trainer.nproc, cfg.trainer.lease_s) == ("cosine", 2, 60.0)
+    assert str(error(load, {"trainer": {"nproc": 0}})) == "trainer.nproc: must be > 0, got 0"
+    assert str(error(load, {"trainer": {"lr_schedule": "step"}})).startswith("trainer.lr_schedule: expected one of")
+    assert str(error(load, {"trainer": {"device": ""}})) == "trainer.device: must not be empty"

@@ -1,0 +1,8 @@
+"""`jet.trainer`: the trainer of one model, `jet train`. It never imports `jet.workers`: the wire is the contract.
+
+Read in this order: `loop` (the main loop and the exactly-once contract), `intake` + `groups` (GRPO
+group assembly, staleness), `batch` + `advantages` (advantages and loss weights), `packing` + `losses`
++ `step` (micro-batches and the objective), `backend_torch` / `backend_deepspeed` + `dist` + `launch`
+(optimisation on one or N processes), `feed` (the only door to Redis), `weights`, `checkpoint`,
+`metrics`, `cli`.
+"""

@@ -1,8 +1,19 @@
-"""Per-token RL math as pure tensor functions: logprobs and the policy-gradient loss.
+"""Per-token RL math as pure tensor functions: logprobs, the clipped PPO objective, KL.
 
 What it is: functions of tensors only (no model, no I/O), so tests check them
 against hand-computed numbers and the timeline equivalence test checks that
 merged and unmerged samples give the same values.
+
+- `token_logprobs`: each token's logprob under the model, read at its parent;
+- `policy_gradient_loss`: importance-weighted policy gradient / a normaliser;
+- `ppo_loss`: the trainer's objective. Per trained token t, with the
+  importance ratio r = exp(logprob - behaviour logprob) against the policy
+  that generated it (the inference worker's logprob) and advantage A:
+      pg_t = -min(r A, clip(r, 1 - eps, 1 + eps) A)        (PPO, Schulman 2017)
+      kl_t = exp(ref - logprob) - (ref - logprob) - 1      (k3, Schulman 2020)
+  and loss = sum_t w_t (pg_t + kl_coef * kl_t). The per-token weight w_t
+  carries the aggregation (`jet.trainer.batch`): 1 / (trained tokens of the
+  step) for token_mean, 1 / (sequences * that sequence's tokens) for seq_mean.
 
 What it is not: a packer (`jet.trainer.packing`) or an optimiser loop.
 
@@ -10,11 +21,15 @@ Invariants:
 - a token's logprob is read from the logits at its *parent's* position, which
   is i - 1 in a linear sequence and the tree parent in a prefix tree; tokens
   with no parent (roots, padding) get 0;
-- the loss is a sum over trained tokens divided by a caller-given normaliser,
-  so splitting or merging samples does not change it (a per-sample mean would).
+- the loss is a sum over trained tokens of per-token terms times caller-given
+  weights, so splitting or merging samples, or cutting a step into
+  micro-batches (summing their losses), does not change it (a per-row mean
+  would).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -51,3 +66,61 @@ def policy_gradient_loss(
     if clip is not None:
         gain = torch.minimum(gain, ratio.clamp(1.0 - clip, 1.0 + clip) * advantages)
     return -(gain * trained).sum() / normaliser
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || reference): exp(d) - d - 1 with d = ref - logprob; >= 0."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LossTerms:
+    """One micro-batch's loss (with grad) and its parts as weighted sums and counts (detached)."""
+
+    loss: torch.Tensor  # sum_t w_t (pg_t + kl_coef * kl_t)
+    pg: torch.Tensor  # sum_t w_t pg_t
+    kl: torch.Tensor  # sum_t w_t kl_t (0 without a reference)
+    tokens: torch.Tensor  # trained tokens
+    clipped: torch.Tensor  # trained tokens whose clip was active (their pg gradient is 0)
+    ratio_max: torch.Tensor  # largest importance ratio over trained tokens (0 if none)
+
+
+def ppo_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossTerms:
+    """Token-level clipped PPO objective with an optional k3 KL penalty; all inputs [B, L].
+
+    `advantages` and `weights` are per token (0 or anything where `mask` is 0:
+    masked tokens contribute nothing, not even NaN).
+    """
+    trained = mask > 0
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = (logprobs - behaviour_logprobs).masked_fill(~trained, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.masked_fill(~trained, 0.0)
+    w = weights.masked_fill(~trained, 0.0)
+    clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    loss_t = pg
+    kl_sum = zero
+    if ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs).masked_fill(~trained, 0.0)
+        loss_t = pg + kl_coef * kl
+        kl_sum = (w * kl).sum().detach()
+    active = ((ratio > 1.0 + clip_eps) & (adv > 0)) | ((ratio < 1.0 - clip_eps) & (adv < 0))
+    return LossTerms(
+        loss=(w * loss_t).sum(),
+        pg=(w * pg).sum().detach(),
+        kl=kl_sum,
+        tokens=trained.sum().detach(),
+        clipped=(active & trained).sum().detach(),
+        ratio_max=ratio.masked_fill(~trained, 0.0).max().detach() if trained.any() else zero,
+    )

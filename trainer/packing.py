@@ -5,7 +5,10 @@ one packed row (B = 1, no padding) holding whole samples back to back; a sample
 longer than the budget is cut by `jet.timeline.split_sample`. Per token a row
 carries input ids, position ids (the depth in its tree), the index of its
 parent (whose logits predict it), the end of its subtree, the loss mask, the
-behaviour logprob, version and reward. `row_logprobs(model, row)` runs a
+behaviour logprob, version, reward and `seq`: which (sample, episode) entry of
+the `pack` call the token belongs to, numbered sample by sample
+(`sum(len(s.episode_ids) for s in samples[:k]) + s.episodes[i]`), so a caller
+can look up per-entry values (advantages, loss weights) for any row. `row_logprobs(model, row)` runs a
 Hugging Face causal LM on a row and returns each token's logprob.
 
 What it is not: no loss and no optimiser (`jet.trainer.losses`), no queue I/O,
@@ -44,6 +47,7 @@ class Row:
     behaviour_logprobs: torch.Tensor  # float32, 0.0 where the mask is 0
     versions: torch.Tensor  # int64, -1 where the mask is 0
     rewards: torch.Tensor  # float32, the reward of the token's episode; 0.0 where the mask is 0
+    seq: torch.Tensor  # int64, the token's (sample, episode) entry in the `pack` call; -1 where the mask is 0
     causal: bool  # one linear sample: plain causal attention is exact
     n_samples: int
 
@@ -74,26 +78,38 @@ def pack(samples: Sequence[Sample], max_tokens: int, *, share_rows: bool = True)
     With share_rows=False every sample (or piece) gets its own row, which lets
     linear samples use the causal fast path; with True, rows are filled.
     """
-    pieces = [piece for s in samples for piece in split_sample(s, max_tokens)]
-    pieces.sort(key=len, reverse=True)
-    bins: list[list[Sample]] = []
+    offsets = seq_offsets(samples)
+    pieces = [(piece, first) for s, first in zip(samples, offsets) for piece in split_sample(s, max_tokens)]
+    pieces.sort(key=lambda p: len(p[0]), reverse=True)
+    bins: list[list[tuple[Sample, int]]] = []
     fill: list[int] = []
     for piece in pieces:
-        fits = (i for i, used in enumerate(fill) if used + len(piece) <= max_tokens) if share_rows else iter(())
+        n = len(piece[0])
+        fits = (i for i, used in enumerate(fill) if used + n <= max_tokens) if share_rows else iter(())
         target = next(fits, None)
         if target is None:
             bins.append([piece])
-            fill.append(len(piece))
+            fill.append(n)
         else:
             bins[target].append(piece)
-            fill[target] += len(piece)
-    return [pack_row(b) for b in bins]
+            fill[target] += n
+    return [pack_row([p for p, _ in b], [first for _, first in b]) for b in bins]
 
 
-def pack_row(samples: Sequence[Sample]) -> Row:
-    """Lay samples out back to back in one row."""
-    tokens, parents, mask, lps, versions, rewards = [], [], [], [], [], []
+def seq_offsets(samples: Sequence[Sample]) -> list[int]:
+    """The `seq` number of each sample's first episode entry: entries are numbered sample by sample."""
+    out, n = [], 0
     for s in samples:
+        out.append(n)
+        n += len(s.episode_ids)
+    return out
+
+
+def pack_row(samples: Sequence[Sample], offsets: Sequence[int] | None = None) -> Row:
+    """Lay samples out back to back in one row; `offsets` number their entries (default: `seq_offsets`)."""
+    offsets = seq_offsets(samples) if offsets is None else offsets
+    tokens, parents, mask, lps, versions, rewards, seq = [], [], [], [], [], [], []
+    for s, first in zip(samples, offsets):
         offset = len(tokens)
         tokens += s.tokens
         parents += [p + offset if p >= 0 else -1 for p in s.parents]
@@ -101,6 +117,7 @@ def pack_row(samples: Sequence[Sample]) -> Row:
         lps += s.logprobs
         versions += s.versions
         rewards += [s.rewards[e] if e >= 0 else 0.0 for e in s.episodes]
+        seq += [first + e if e >= 0 else -1 for e in s.episodes]
     depth, end = _depth_and_end(parents)
 
     def long(values: list[int]) -> torch.Tensor:
@@ -118,6 +135,7 @@ def pack_row(samples: Sequence[Sample]) -> Row:
         behaviour_logprobs=f32(lps),
         versions=long(versions),
         rewards=f32(rewards),
+        seq=long(seq),
         causal=len(samples) == 1 and samples[0].is_linear,
         n_samples=len(samples),
     )

@@ -1,0 +1,322 @@
+"""`jet bench async`: the asynchronous trainer against the synchronous barrier, on one workload.
+
+The workload is the same in both runs: a fleet of `slots` synthetic rollout
+workers in this process, each looping over GRPO group members: wait a
+heavy-tailed time (log-normal, the environment), sample a completion from a
+real tiny model (`jet.workers.hf_backend`, following `weights:<model>` like an
+inference worker, so every trajectory carries the version that generated
+it), wait again, score it and publish the Trajectory to `traj:<model>`. The
+reward is the share of completion tokens in a target set (ids divisible by
+8: 1/8 at random), which a policy can learn in a few dozen steps. The
+episode times are drawn per (group, member) from one seed, so both runs see
+the same durations.
+
+The trainer is the real `jet train` (torch backend, a subprocess), once with
+`max_staleness: 0` (the synchronous baseline: after each publish it waits for
+trajectories generated entirely by the new version, dropping the rest) and
+once with the default bound. Rollouts start when the trainer has joined its
+consumer group, so no backlog piles up during its start-up.
+
+Reported per run, over the window from step 1 to the last step (from the
+trainer's metrics): optimiser steps per minute, trainer busy fraction
+(forward/backward/optimiser/publish time over wall time), trajectories
+dropped as stale, the mean training reward of the last steps, and the
+reward of the final weights on held-out prompts (256 samples). The ratio is
+async over sync. The goal: >= 1.5x the steps per minute with a final reward
+no worse than sync's (within two standard errors), at equal steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import anyio
+import click
+import orjson
+import yaml
+
+from jet.keys import GROUP_TRAINER, Keys
+
+MODEL = "tiny"
+GOAL = 1.5
+LR = 1e-2  # large for a real model; a random tiny one needs it to learn visibly in 30 steps
+PROMPT_LEN, COMPLETION = 8, 8
+DEFAULTS = {"steps": 30, "slots": 16, "group_size": 4, "batch_groups": 4, "median_s": 0.4, "sigma": 1.0}
+QUICK = {"steps": 4, "slots": 8, "group_size": 2, "batch_groups": 2, "median_s": 0.1, "sigma": 0.8}
+
+
+@dataclass
+class Result:
+    mode: str
+    run: str  # run name (folder under runs/)
+    max_staleness: int
+    steps: int
+    window_s: float
+    steps_per_min: float
+    busy_fraction: float
+    produced: int  # trajectories published by the rollout fleet
+    stale: int  # dropped by the trainer as too old
+    groups_dropped: int
+    staleness_mean: float
+    train_reward_last: float  # mean training reward of the last 5 steps
+    eval_reward: float  # the final weights on held-out prompts
+    eval_se: float
+
+
+def reward_of(tokens: list[int]) -> float:
+    return sum(1 for t in tokens if t % 8 == 0) / COMPLETION
+
+
+def prompt_of(seed: int, group: int, vocab: int) -> list[int]:
+    rng = random.Random(f"{seed}-prompt-{group}")
+    return [rng.randrange(vocab) for _ in range(PROMPT_LEN)]
+
+
+def durations(seed: int, group: int, index: int, median_s: float, sigma: float) -> tuple[float, float]:
+    """Environment time before and after the model call: log-normal, heavy-tailed."""
+    rng = random.Random(f"{seed}-time-{group}-{index}")
+    total = median_s * math.exp(rng.gauss(0.0, sigma))
+    split = rng.random()
+    return total * split, total * (1 - split)
+
+
+async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, stop: anyio.Event,
+                   produced: list[int]) -> None:
+    """The synthetic rollout fleet: `slots` concurrent episodes until `stop`."""
+    from jet.queues.connect import connect
+    from jet.queues.producer import Producer
+    from jet.timeline import Call, merge_calls
+    from jet.wire import Trajectory
+    from jet.workers.hf_backend import HFBackend, SamplingParams
+    from jet.workers.weights import WeightFollower
+
+    backend = await anyio.to_thread.run_sync(HFBackend, model_dir)
+    r, rb = await connect(url), await connect(url, block_ms=500)
+    follower = WeightFollower(rb, url, keys, MODEL, block_ms=500)
+    producer = Producer(r, url, keys, keys.traj(MODEL), maxlen=100_000)
+    lock, counter, G = anyio.Lock(), iter(range(1 << 62)), p["group_size"]
+
+    async def slot() -> None:
+        while not stop.is_set():
+            n = next(counter)
+            group, index = divmod(n, G)
+            before, after = durations(seed, group, index, p["median_s"], p["sigma"])
+            await anyio.sleep(before)
+            prompt = prompt_of(seed, group, backend.vocab_size)
+            async with lock:  # one generation at a time; new weights load between them
+                await follower.apply(backend)
+                params = SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=seed * 1_000_003 + n)
+                [out] = await anyio.to_thread.run_sync(backend.generate, [prompt], [params])
+            await anyio.sleep(after)
+            if out.finish_reason == "error" or not out.token_ids:
+                continue
+            reward = reward_of(out.token_ids)
+            call = Call(prompt, out.token_ids, out.logprobs, out.version, MODEL, "main", out.finish_reason)
+            samples = merge_calls([call], "exact", episode_id=f"e{n}", reward=reward)
+            traj = Trajectory(task="bench", group_id=f"g{group}", index=index, episode_id=f"e{n}", model=MODEL,
+                              reward=reward, samples=tuple(samples), group_size=G)
+            await producer.send([traj.to_fields()])
+            produced[0] += 1
+
+    try:
+        await follower.catch_up()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follower.run)
+            for _ in range(p["slots"]):
+                tg.start_soon(slot)
+            await stop.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await r.aclose()
+            await rb.aclose()
+
+
+def write_config(path: Path, run: str, runs_dir: Path, model_dir: Path, p: dict) -> Path:
+    trainer = {"lr": LR, "batch_groups": p["batch_groups"], "micro_batch_tokens": 1024, "publish_every": 1,
+               "checkpoint_every": 10, "steps": p["steps"], "min_group_size": 2, "group_timeout_s": 120,
+               "advantage": "grpo", "seed": 0}
+    data = {"run": run, "runs_dir": str(runs_dir), "queues": {"block_ms": 200},
+            "models": [{"name": MODEL, "path": str(model_dir)}], "trainer": trainer}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+async def trainer_joined(url: str, keys: Keys) -> bool:
+    from jet.errors import QueueError
+    from jet.queues.connect import connect, translated
+
+    r = await connect(url)
+    try:
+        with translated(url):
+            groups = await r.xinfo_groups(keys.traj(MODEL))
+    except QueueError:  # "no such key": the trainer has not created the stream yet
+        return False
+    finally:
+        await r.aclose()
+    return any((g.get("name") or g.get(b"name")) in (GROUP_TRAINER, GROUP_TRAINER.encode()) for g in groups)
+
+
+async def run_mode(name: str, max_staleness: int | None, url: str, tmp: Path, model_dir: Path, p: dict,
+                   seed: int, say) -> Result:
+    from jet.config import RESOLVED_NAME
+
+    run = f"bench{name}{uuid.uuid4().hex[:6]}"
+    keys = Keys(run)
+    config = write_config(tmp / f"{run}.yaml", run, tmp / "runs", model_dir, p)
+    log = open(tmp / f"{run}.log", "wb")
+    env = {**os.environ, "JET_LOG_LEVEL": "WARNING"}
+    sets = [x for o in p.get("overrides", ()) for x in ("--set", o)]  # the mode's bound goes last: it wins
+    sets += ["--set", f"trainer.max_staleness={max_staleness}"] if max_staleness is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "jet.trainer.cli", "--config", str(config), "--redis-url", url,
+                             *sets], stdout=log, stderr=subprocess.STDOUT, env=env)
+    stop, produced = anyio.Event(), [0]
+    try:
+        while not await trainer_joined(url, keys):
+            if proc.poll() is not None:
+                raise click.ClickException(f"the trainer exited {proc.returncode}; see {log.name}")
+            await anyio.sleep(0.2)
+        say(f"{name}: trainer ready, rollouts start")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rollouts, url, keys, model_dir, p, seed, stop, produced)
+            while proc.poll() is None:
+                await anyio.sleep(0.2)
+            stop.set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    if proc.returncode != 0:
+        raise click.ClickException(f"the trainer exited {proc.returncode}; see {tmp / (run + '.log')}")
+    resolved = yaml.safe_load((tmp / "runs" / run / RESOLVED_NAME).read_text())
+    return summarise(name, resolved["trainer"]["max_staleness"], tmp / "runs" / run, produced[0], model_dir, seed)
+
+
+def summarise(name: str, bound: int, run_dir: Path, produced: int, model_dir: Path, seed: int) -> Result:
+    from jet.trainer.metrics import read
+    from jet.trainer.weights import weights_dir
+
+    rows = read(run_dir / "trainer" / MODEL / "metrics.jsonl")
+    first, last = rows[0], rows[-1]
+    window = max(1e-9, last["time"] - first["time"])
+    busy = last["perf/busy_s"] - first["perf/busy_s"]
+    final = weights_dir(run_dir, MODEL, int(last["policy/version"]))
+    mean, se = evaluate(model_dir, final, seed)
+    return Result(
+        mode=name, run=run_dir.name, max_staleness=bound, steps=int(last["step"]), window_s=round(window, 2),
+        steps_per_min=(last["step"] - first["step"]) / window * 60, busy_fraction=busy / window, produced=produced,
+        stale=int(last.get("counts/stale", 0)), groups_dropped=int(last.get("counts/groups_dropped", 0)),
+        staleness_mean=statistics.fmean(r["policy/staleness"] for r in rows),
+        train_reward_last=statistics.fmean(r["rollout/reward_mean"] for r in rows[-5:]),
+        eval_reward=mean, eval_se=se)
+
+
+def evaluate(model_dir: Path, weights: Path | None, seed: int, prompts: int = 32, samples: int = 8):
+    """Mean reward (and its standard error) of 256 sampled completions on held-out prompts."""
+    from jet.workers.hf_backend import HFBackend, SamplingParams
+
+    backend = HFBackend(model_dir)
+    if weights is not None:
+        backend.load_weights(weights)
+    batch = [prompt_of(seed + 1, 10_000 + g, backend.vocab_size) for g in range(prompts) for _ in range(samples)]
+    params = [SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=i) for i in range(len(batch))]
+    rewards = [reward_of(o.token_ids) for o in backend.generate(batch, params)]
+    return statistics.fmean(rewards), statistics.stdev(rewards) / math.sqrt(len(rewards))
+
+
+async def measure(url: str, tmp: Path, p: dict, seed: int, say, max_staleness: int | None = None) -> dict:
+    from jet.models import init_model
+
+    model_dir = await anyio.to_thread.run_sync(lambda: init_model(tmp / MODEL, vocab_size=512, hidden_size=32,
+                                                                   layers=2, heads=4, kv_heads=2,
+                                                                   max_position=256, seed=seed))
+    initial, _ = evaluate(model_dir, None, seed)
+    sync = await run_mode("sync", 0, url, tmp, model_dir, p, seed, say)
+    say(f"sync: {sync.steps} steps, {sync.steps_per_min:.1f} steps/min, busy {sync.busy_fraction:.2f}")
+    asyn = await run_mode("async", max_staleness, url, tmp, model_dir, p, seed, say)
+    say(f"async: {asyn.steps} steps, {asyn.steps_per_min:.1f} steps/min, busy {asyn.busy_fraction:.2f}")
+    ratio = asyn.steps_per_min / max(1e-9, sync.steps_per_min)
+    reward_ok = asyn.eval_reward >= sync.eval_reward - 2 * math.hypot(asyn.eval_se, sync.eval_se)
+    return {"workload": p, "initial_eval_reward": initial, "runs": [asdict(sync), asdict(asyn)],
+            "ratio_steps_per_min": ratio, "ratio_busy_fraction": asyn.busy_fraction / max(1e-9, sync.busy_fraction),
+            "goal": {"ratio": GOAL, "ratio_met": ratio >= GOAL, "reward_no_worse": reward_ok}}
+
+
+def render(report: dict):
+    from rich.table import Table
+
+    table = Table(title=f"jet bench async ({report['workload']['steps']} steps each; "
+                        f"initial eval reward {report['initial_eval_reward']:.3f})")
+    cols = ("mode", "max_staleness", "steps/min", "busy", "stale dropped", "staleness", "reward (last 5)",
+            "eval reward")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for x in report["runs"]:
+        table.add_row(x["mode"], str(x["max_staleness"]), f"{x['steps_per_min']:.1f}", f"{x['busy_fraction']:.2f}",
+                      f"{x['stale']}/{x['produced']}", f"{x['staleness_mean']:.2f}", f"{x['train_reward_last']:.3f}",
+                      f"{x['eval_reward']:.3f} ± {x['eval_se']:.3f}")
+    g = report["goal"]
+    table.caption = (f"async / sync: {report['ratio_steps_per_min']:.2f}x steps/min "
+                     f"(goal >= {g['ratio']}: {'met' if g['ratio_met'] else 'NOT met'}), "
+                     f"{report['ratio_busy_fraction']:.2f}x busy fraction; final reward no worse: "
+                     f"{'yes' if g['reward_no_worse'] else 'NO'}")
+    return table
+
+
+@click.command("async")
+@click.option("--redis-url", envvar="JET_REDIS_URL", default=None,
+              help="Server to use. Default: $JET_REDIS_URL, else a fresh embedded one in a temp dir.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--quick", is_flag=True, help="A few steps of a small workload (for tests); its numbers mean little.")
+@click.option("--steps", type=click.IntRange(min=2), default=None, help=f"Steps per run (default {DEFAULTS['steps']}).")
+@click.option("--slots", type=click.IntRange(min=1), default=None, help="Concurrent synthetic episodes.")
+@click.option("--seed", default=0, show_default=True, help="Seed of prompts, episode times and the model.")
+@click.option("--max-staleness", type=click.IntRange(min=1), default=None,
+              help="The async run's bound (default: trainer.max_staleness's default).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Config override for both runs' trainers, e.g. trainer.lr=3e-3.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Keep both runs' folders (metrics, PNG plots, trainer logs) here.")
+def cli(redis_url, as_json, quick, steps, slots, seed, max_staleness, overrides, out_dir) -> None:
+    """Trainer steps/min and busy fraction: synchronous barrier (max_staleness 0) vs the async default."""
+    from jet.cliopts import run_jet
+    from jet.queues.server import EmbeddedServer
+
+    p = dict(QUICK if quick else DEFAULTS, overrides=list(overrides))
+    p.update({k: v for k, v in {"steps": steps, "slots": slots}.items() if v is not None})
+    t0 = time.monotonic()
+    say = (lambda s: None) if as_json else (lambda s: click.echo(f"[{time.monotonic() - t0:5.1f}s] {s}", err=True))
+    with tempfile.TemporaryDirectory(prefix="jet-bench-async-") as tmp:
+        work = Path(out_dir) if out_dir else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        server = None if redis_url else EmbeddedServer(Path(tmp) / "server").start()
+        try:
+            report = run_jet(measure, redis_url or server.url, work, p, seed, say, max_staleness)
+        finally:
+            if server:
+                server.stop()
+        if out_dir:
+            from jet.trainer.metrics import find, plot
+
+            for r in report["runs"]:
+                for f in find(work / "runs" / r["run"]):
+                    say(f"plots of {r['mode']}: {', '.join(str(x) for x in plot(f))}")
+    report["cpus"] = os.cpu_count()
+    if as_json:
+        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.width = max(console.width, 120)
+    console.print(render(report))

@@ -1,0 +1,60 @@
+"""Metrics JSONL (resume drops the lost steps' lines), `jet plot` PNGs, and `jet train` usage errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from jet.trainer.cli import plot, train
+from jet.trainer.metrics import Metrics, read
+
+
+def test_resume_drops_lines_past_the_checkpoint_and_a_torn_line(tmp_path):
+    m = Metrics(tmp_path)
+    for step in range(1, 6):
+        m.log(step, {"train/loss": 1.0 / step, "rollout/reward_mean": step / 10, "bad": float("nan")})
+    m.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "train/lo')  # a process killed mid-line
+    Metrics(tmp_path, resume_step=3).close()
+    rows = read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and "bad" not in rows[0]
+    Metrics(tmp_path, resume_step=0).close()  # a fresh start keeps nothing
+    assert read(tmp_path / "metrics.jsonl") == []
+
+
+def test_jet_plot_writes_the_four_curves(tmp_path):
+    run = tmp_path / "runs" / "demo"
+    m = Metrics(run / "trainer" / "tiny")
+    for step in range(1, 4):
+        m.log(step, {"train/loss": 1.0 / step, "rollout/reward_mean": step, "policy/staleness": 1,
+                     "perf/steps_per_min": 60.0})
+    m.close()
+    result = CliRunner().invoke(plot, [str(run)])
+    assert result.exit_code == 0, result.output
+    written = result.output.split()
+    assert sorted(p.rsplit("/", 1)[1] for p in written) == ["loss.png", "reward.png", "staleness.png",
+                                                             "throughput.png"]
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert CliRunner().invoke(plot, [str(tmp_path)]).exit_code != 0  # no metrics there
+
+
+def test_jet_train_names_the_trainable_models(tmp_path, tiny_model):
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({"models": [{"name": "a", "path": str(tiny_model)},
+                                           {"name": "b", "path": str(tiny_model), "trainable": False}]}))
+    result = CliRunner().invoke(train, ["--config", str(path), "--model", "b", "--redis-url", "redis://x"])
+    assert result.exit_code == 2 and "'b' is not a trainable model; trainable: ['a']" in result.output
+    bad = CliRunner().invoke(train, ["--config", str(path), "--set", "trainer.lr=fast", "--redis-url", "redis://x"])
+    assert bad.exit_code == 1 and "trainer.lr: expected float, got 'fast'" in bad.output
+
+
+def test_the_trainer_cli_starts_quickly_without_torch():
+    code = "import sys, jet.trainer.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,93 @@
+"""The `torch` training backend: one process, one device, plain AdamW.
+
+What it is: the policy (a transformers causal LM loaded from the model
+directory, float32, eval mode so dropout is off as on the inference side),
+an optional frozen reference copy for the KL term, AdamW, and:
+`train_step(rows, inputs, lr)` (gradient accumulation over the micro-batches,
+global-norm clipping, one optimiser step), `full_module()` (the module with
+whole parameters, for publishing weights), and `save` / `load` of a
+checkpoint directory: model.safetensors, optimizer.safetensors, rng.safetensors
+and state.json. No pickle anywhere.
+
+The `deepspeed` backend (`jet.trainer.backend_deepspeed`) has the same
+interface and runs the same `jet.trainer.step.accumulate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from jet.config import TrainerConfig
+from jet.trainer import optim
+from jet.trainer.batch import StepInputs
+from jet.trainer.packing import Row
+from jet.trainer.step import StepStats, accumulate
+
+MODEL_FILE = "model.safetensors"
+
+
+def load_policy(model_path: str, device: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+class TorchBackend:
+    rank, world = 0, 1
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, device: str | None = None):
+        self.cfg = cfg
+        self.device = device or cfg.device
+        self.model = load_policy(model_path, self.device)
+        self.ref = frozen_copy(self.model) if cfg.kl_coef > 0 else None
+        self.optimizer = optim.make_adamw(self.model.parameters(), cfg)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def train_step(self, rows: Sequence[Row | None], inputs: StepInputs, lr: float, pad_row: Row | None = None
+                   ) -> StepStats:
+        """One optimiser step over all of `rows` (one process has no padding; `pad_row` is unused)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = accumulate(self.model, rows, inputs, self.cfg, lambda loss, _last: loss.backward(), ref_model=self.ref)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        optim.set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        return stats
+
+    @contextlib.contextmanager
+    def full_module(self) -> Iterator[torch.nn.Module]:
+        yield self.model
+
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_model
+
+        save_model(self.model, str(folder / MODEL_FILE))
+        tensors, groups = optim.optimizer_state(self.optimizer)
+        optim.save_tensors(tensors, folder / "optimizer.safetensors")
+        rng, rng_meta = optim.rng_state()
+        optim.save_tensors(rng, folder / "rng.safetensors")
+        (folder / "backend.json").write_text(json.dumps({"param_groups": groups, "rng": rng_meta}))
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_model
+
+        load_model(self.model, str(folder / MODEL_FILE), device=str(self.device))
+        meta = json.loads((folder / "backend.json").read_text())
+        # load_state_dict moves each state tensor to its parameter's device (the step count stays on CPU)
+        optim.load_optimizer_state(self.optimizer, optim.load_tensors(folder / "optimizer.safetensors"),
+                                   meta["param_groups"])
+        optim.set_rng_state(optim.load_tensors(folder / "rng.safetensors"), meta["rng"])

@@ -1,0 +1,110 @@
+"""One optimiser step's inputs: trainable groups -> samples, per-entry advantages and loss weights.
+
+What it is: `build_step(groups, advantage=..., loss_agg=...)` lists every
+sample of every member (in group, member, sample order) and, per (sample,
+episode) entry in `jet.trainer.packing`'s `seq` numbering, the advantage of
+the tokens of that entry and their loss weight. A row's per-token values are
+then `table[row.seq]` (`StepInputs.token_values`).
+
+- Advantage: the member's advantage from `jet.trainer.advantages` among its
+  group, per agent when the reward is a dict (a sample then belongs to its
+  one agent, `Sample.agents[0]`; `jet.trainer.groups.malformed` rejects others).
+- Weight (the loss aggregation): `token_mean` gives every trained token of the
+  step 1 / N_tokens; `seq_mean` gives the tokens of one sequence
+  1 / (N_sequences * its tokens), where a sequence is one episode of one
+  trajectory: all tokens of that episode, however many samples (turns, tree
+  pieces) merging made of it. Both are functions of the episode, never of the
+  sample layout, so merged and unmerged samples give the same loss.
+
+What it is not: a packer or a loss; no model, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from jet.timeline import Sample
+from jet.trainer.advantages import member_advantages
+from jet.wire import Trajectory
+
+AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+@dataclass(slots=True)
+class StepInputs:
+    samples: list[Sample]
+    advantages: torch.Tensor  # [E] float32, one per (sample, episode) entry
+    weights: torch.Tensor  # [E] float32
+    n_tokens: int  # trained tokens in the step
+    n_sequences: int
+    rewards: list[float] = field(default_factory=list)  # one per member (dict rewards: their mean)
+
+    def token_values(self, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token advantages and weights of a row's `seq` column (0 where seq is -1)."""
+        idx = seq.clamp(min=0)
+        valid = seq >= 0
+        if self.advantages.numel() == 0:
+            zero = torch.zeros(seq.shape, dtype=torch.float32)
+            return zero, zero
+        adv = self.advantages[idx].masked_fill(~valid, 0.0)
+        return adv, self.weights[idx].masked_fill(~valid, 0.0)
+
+
+def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_agg: str) -> StepInputs:
+    """Inputs of one step from groups of successful trajectories (each group: its members)."""
+    if loss_agg not in AGGREGATIONS:
+        raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {loss_agg!r}")
+    samples: list[Sample] = []
+    adv: list[float] = []
+    seq_of_entry: list[tuple[str, str]] = []  # (trajectory msg_id, episode id) of each entry
+    rewards: list[float] = []
+    for members in groups:
+        per_member = member_advantages([t.reward for t in members], advantage)
+        for traj, a in zip(members, per_member):
+            rewards.append(_mean_reward(traj))
+            for s in traj.samples:
+                key = s.agents[0] if isinstance(traj.reward, dict) else None
+                samples.append(s)
+                for episode_id in s.episode_ids:
+                    adv.append(a[key])
+                    seq_of_entry.append((traj.msg_id, episode_id))
+    tokens = _entry_tokens(samples)
+    weights, n_seq = _weights(seq_of_entry, tokens, loss_agg)
+    return StepInputs(samples, torch.tensor(adv, dtype=torch.float32), torch.tensor(weights, dtype=torch.float32),
+                      n_tokens=sum(tokens), n_sequences=n_seq, rewards=rewards)
+
+
+def _entry_tokens(samples: Sequence[Sample]) -> list[int]:
+    """Trained tokens of each (sample, episode) entry, in seq order."""
+    out: list[int] = []
+    for s in samples:
+        counts = [0] * len(s.episode_ids)
+        for e, m in zip(s.episodes, s.mask):
+            if m:
+                counts[e] += 1
+        out += counts
+    return out
+
+
+def _weights(seq_of_entry: list[tuple[str, str]], tokens: list[int], loss_agg: str) -> tuple[list[float], int]:
+    per_seq: dict[tuple[str, str], int] = {}
+    for key, n in zip(seq_of_entry, tokens):
+        per_seq[key] = per_seq.get(key, 0) + n
+    live = {k: n for k, n in per_seq.items() if n > 0}
+    total = sum(live.values())
+    if not total:
+        return [0.0] * len(tokens), 0
+    if loss_agg == "token_mean":
+        return [1.0 / total] * len(tokens), len(live)
+    return [1.0 / (len(live) * live[k]) if k in live else 0.0 for k in seq_of_entry], len(live)
+
+
+def _mean_reward(traj: Trajectory) -> float:
+    """The member's reward for metrics: the number, or the mean over agents of a dict."""
+    r = traj.reward
+    if isinstance(r, dict):
+        return sum(r.values()) / len(r) if r else 0.0
+    return float(r)

@@ -1,0 +1,114 @@
+"""`jet train` (the trainer of one model) and `jet plot` (PNG curves of a run's metrics).
+
+`jet train --model NAME --config C [--backend torch|deepspeed] [--nproc N]`
+consumes `traj:<model>` and trains until `trainer.steps` (see
+`jet.trainer.loop`). SIGTERM/SIGINT drain: the step in hand finishes, a
+checkpoint is written, the entries it covers are acked, held ones released,
+exit 0; a second signal exits at once. With `--backend deepspeed` and no
+RANK in the environment it starts `--nproc` ranks of itself
+(`jet.trainer.launch`); under torchrun or the deepspeed launcher it is one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import click
+
+from jet.cliopts import redis_url_option, resolve_url
+from jet.errors import ConfigError, JetError
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event set by the first SIGTERM/SIGINT; a second one exits at once."""
+    stop = threading.Event()
+
+    def handler(sig, _frame):
+        if stop.is_set():
+            raise SystemExit(128 + sig)
+        stop.set()
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, handler)
+    return stop
+
+
+def _trained_model(cfg, model: str | None) -> str:
+    trainable = [m.name for m in cfg.models if m.trainable]
+    if model is None:
+        if len(trainable) != 1:
+            raise click.UsageError(f"--model is required: trainable models are {trainable}")
+        return trainable[0]
+    if model not in trainable:
+        raise click.UsageError(f"--model: {model!r} is not a trainable model; trainable: {trainable}")
+    return model
+
+
+@click.command("train")
+@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
+              type=click.Path(dir_okay=False), help="Experiment config (models, trainer, run).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@click.option("--model", default=None, help="Model to train (default: the only trainable one).")
+@click.option("--backend", type=click.Choice(["torch", "deepspeed"]), default=None,
+              help="Overrides trainer.backend.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help="DeepSpeed ranks; overrides trainer.nproc.")
+@click.option("--device", default=None, help="Torch device; overrides trainer.device.")
+@redis_url_option
+def train(config_path, overrides, model, backend, nproc, device, redis_url) -> None:
+    """Train a model on its trajectories (traj:<model>), publishing weights to weights:<model>."""
+    from jet.config import REDIS_URL_ENV, load_file
+
+    try:
+        cfg = load_file(config_path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    model = _trained_model(cfg, model)
+    backend = backend or cfg.trainer.backend
+    nproc = nproc or cfg.trainer.nproc
+    rank = os.environ.get("RANK")
+    url = resolve_url(redis_url) if rank in (None, "0") else None
+    if backend == "deepspeed" and rank is None:
+        from jet.trainer.launch import spawn
+
+        argv = [sys.executable, "-m", "jet.trainer.cli", "--config", config_path, "--model", model,
+                "--backend", backend, "--nproc", str(nproc)]
+        argv += [x for o in overrides for x in ("--set", o)] + (["--device", device] if device else [])
+        os.environ[REDIS_URL_ENV] = url  # children inherit it; a password never shows in `ps`
+        raise SystemExit(spawn(argv, nproc))
+    stop = _stop_on_signals()
+    from jet.trainer.loop import run
+
+    try:
+        run(cfg, model, url, stop.is_set, backend=backend, device=device)
+    except JetError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@click.command("plot")
+@click.argument("run", type=click.Path(exists=True))
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Folder for the PNGs (default: plots/ next to each metrics file).")
+def plot(run, out_dir) -> None:
+    """Write reward, loss, staleness and throughput curves (PNG) of a run folder or metrics file."""
+    from pathlib import Path
+
+    from jet.trainer.metrics import find
+    from jet.trainer.metrics import plot as plot_file
+
+    files = find(Path(run))
+    if not files:
+        raise click.ClickException(f"no metrics.jsonl under {run}")
+    for f in files:
+        target = Path(out_dir) / f.parent.name if out_dir and len(files) > 1 else out_dir
+        for png in plot_file(f, target):
+            click.echo(str(png))
+
+
+if __name__ == "__main__":
+    from jet.cli import setup_logging
+
+    setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
+    train()

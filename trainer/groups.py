@@ -1,0 +1,187 @@
+"""GRPO group assembly: trajectories in, trainable groups out. Pure logic; time is passed in.
+
+What it is: `Assembler` collects the Trajectories of `traj:<model>` by group
+(task, group_id) and hands out groups that are done:
+
+- complete: every member index 0..group_size-1 has a final outcome: a
+  successful trajectory, a failure with no retry queued, or one left out for
+  staleness. A failed trajectory with `retry` set keeps its slot open (the
+  next attempt will come);
+- timed out: `timeout_s` after its first trajectory arrived, a group is done
+  with what it has, so a lost episode never stalls training.
+
+A done group with at least `min_size` successful fresh members is trainable;
+one with fewer is dropped (counted `small_group`). A member is left out as
+stale when `version - oldest token version > max_staleness`, checked when it
+arrives and again when its group is handed out (the version moves on), so
+`max_staleness = 0` admits only trajectories generated entirely by the
+current version: the synchronous barrier.
+
+Every entry gets exactly one outcome (`OUTCOMES`) and is handed back exactly
+once, either in a taken group (`Group.entries`) or by `pop_decided`; the
+trainer acks it once that decision is checkpointed.
+
+What it is not: I/O. No Redis, no torch; the trainer's feed (`jet.trainer.feed`)
+reads the stream, the loop (`jet.trainer.loop`) decides what a step trains.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from jet.wire import Trajectory
+
+# trained: in an optimiser step. retried: failed, a new attempt was queued. failed: failed for good.
+# stale: older than max_staleness. small_group: its group ended below min_size. late: its group was
+# already done. duplicate: a second trajectory for one member. malformed: unusable (e.g. an agent
+# without a reward).
+OUTCOMES = ("trained", "retried", "failed", "stale", "small_group", "late", "duplicate", "malformed")
+
+
+@dataclass(slots=True)
+class Entry:
+    """One consumed stream entry and what became of it."""
+
+    entry_id: str
+    traj: Trajectory
+    outcome: str = ""  # one of OUTCOMES once decided
+
+    @property
+    def msg_id(self) -> str:
+        return self.traj.msg_id
+
+
+@dataclass(slots=True)
+class Group:
+    task: str
+    group_id: str
+    size: int
+    first_seen: float
+    members: dict[int, Entry] = field(default_factory=dict)  # successful and fresh, by index
+    left_out: set[int] = field(default_factory=set)  # indices done without a usable trajectory
+    entries: list[Entry] = field(default_factory=list)  # every entry of the group, members included
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) + len(self.left_out) >= self.size
+
+    def trajectories(self) -> list[Trajectory]:
+        return [self.members[i].traj for i in sorted(self.members)]
+
+
+def staleness(traj: Trajectory, version: int) -> int:
+    """`version` minus the oldest weight version of any trained token (0 without trained tokens)."""
+    oldest = min((v for s in traj.samples for v in s.versions if v >= 0), default=version)
+    return version - oldest
+
+
+def malformed(traj: Trajectory) -> str | None:
+    """Why a successful trajectory cannot be trained, or None."""
+    if not 0 <= traj.index < traj.group_size:
+        return f"member index {traj.index} outside group_size {traj.group_size}"
+    if isinstance(traj.reward, dict):
+        for s in traj.samples:
+            if len(s.agents) != 1 or s.agents[0] not in traj.reward:
+                return f"per-agent reward {sorted(traj.reward)} but a sample of agents {list(s.agents)}"
+    return None
+
+
+class Assembler:
+    def __init__(self, *, min_size: int, timeout_s: float, max_staleness: int, remember: int = 100_000):
+        self.min_size, self.timeout_s, self.max_staleness = min_size, timeout_s, max_staleness
+        self.groups: dict[tuple[str, str], Group] = {}
+        self.finished: OrderedDict[tuple[str, str], None] = OrderedDict()  # recently done groups
+        self.remember = remember
+        self.decided: list[Entry] = []  # decided outside a taken group, not yet popped
+        self.counts: Counter[str] = Counter()  # outcomes, plus groups_trained / groups_dropped / timeouts
+
+    def add(self, entry: Entry, version: int, now: float) -> None:
+        """File one trajectory under its group (or decide it at once: late, duplicate)."""
+        t = entry.traj
+        key = (t.task, t.group_id)
+        if key in self.finished:
+            return self._decide(entry, "late")
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = Group(t.task, t.group_id, t.group_size, now)
+        if not t.failed and (t.index in group.members or t.index in group.left_out):
+            return self._decide(entry, "duplicate")
+        group.entries.append(entry)
+        if t.failed:
+            self._set(entry, "retried" if t.retry else "failed")
+        elif malformed(t):
+            self._set(entry, "malformed")
+        elif staleness(t, version) > self.max_staleness:
+            self._set(entry, "stale")
+        else:
+            group.members[t.index] = entry
+            return
+        if entry.outcome != "retried":
+            group.left_out.add(t.index)
+
+    def take(self, n: int, version: int, now: float) -> list[Group]:
+        """Up to `n` trainable groups, oldest first; drops done groups below `min_size`."""
+        out: list[Group] = []
+        for key, group in list(self.groups.items()):
+            if len(out) >= n:
+                break
+            self._recheck_staleness(group, version)
+            timed_out = now - group.first_seen >= self.timeout_s
+            if not (group.complete or timed_out):
+                continue
+            del self.groups[key]
+            self._finish(key)
+            if not group.complete:
+                self.counts["timeouts"] += 1
+            if len(group.members) >= self.min_size:
+                self.counts["groups_trained"] += 1
+                out.append(group)
+            else:
+                self.counts["groups_dropped"] += 1
+                for e in group.entries:
+                    if not e.outcome:
+                        self._set(e, "small_group")
+                    self.decided.append(e)
+        return out
+
+    def trained(self, group: Group) -> list[Entry]:
+        """Mark a taken group's members trained; returns all its entries (members and left-out ones)."""
+        for e in group.members.values():
+            self._set(e, "trained")
+        return group.entries
+
+    def pop_decided(self) -> list[Entry]:
+        """Entries decided outside a taken group since the last call."""
+        out, self.decided = self.decided, []
+        return out
+
+    @property
+    def waiting(self) -> int:
+        """Entries held in groups that are not done yet."""
+        return sum(len(g.entries) for g in self.groups.values())
+
+    def next_timeout(self, now: float) -> float | None:
+        """Seconds until the oldest waiting group times out (None when none waits)."""
+        first = min((g.first_seen for g in self.groups.values()), default=None)
+        return None if first is None else max(0.0, first + self.timeout_s - now)
+
+    def _recheck_staleness(self, group: Group, version: int) -> None:
+        for index, entry in list(group.members.items()):
+            if staleness(entry.traj, version) > self.max_staleness:
+                del group.members[index]
+                group.left_out.add(index)
+                self._set(entry, "stale")
+
+    def _finish(self, key: tuple[str, str]) -> None:
+        self.finished[key] = None
+        while len(self.finished) > self.remember:
+            self.finished.popitem(last=False)
+
+    def _set(self, entry: Entry, outcome: str) -> None:
+        entry.outcome = outcome
+        self.counts[outcome] += 1
+
+    def _decide(self, entry: Entry, outcome: str) -> None:
+        self._set(entry, outcome)
+        self.decided.append(entry)

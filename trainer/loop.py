@@ -1,0 +1,254 @@
+"""The trainer's main loop (`jet train`): read trajectories, take optimiser steps, publish, checkpoint.
+
+It reads top to bottom like nanochat's chat_rl.py: set-up and resume, then
+one iteration per optimiser step: (1) rank 0 gathers `batch_groups`
+trainable GRPO groups from `traj:<model>` (`jet.trainer.intake`), computes
+advantages and loss weights and packs micro-batches by the token budget;
+(2) every rank runs forward/backward on its share and the optimiser steps;
+(3) every `publish_every` steps the weights are written and announced;
+(4) rank 0 logs metrics; (5) every `checkpoint_every` steps, a checkpoint,
+then the acks. With the torch backend there is one rank; with deepspeed,
+rank 0 alone talks to Redis and broadcasts each step (`jet.trainer.dist`).
+
+Exactly once, with acks. A trajectory's entry is acked only after the
+checkpoint holding its effect is on disk:
+- the trainer holds every entry it reads (pending, under a long lease the feed
+  renews) until a checkpoint records its fate in `consumed` (trained at step
+  k, or dropped and why); the checkpoint folder is written, fsynced and
+  renamed, and only THEN are those entries acked with their idempotency
+  markers (`jet.trainer.feed.Feed.ack`);
+- a restarted trainer (same consumer name) loads the newest checkpoint and
+  first acks its `consumed` entries (a crash may fall between the rename and
+  the acks): they are never trained again. Entries read after it are still
+  pending in the trainer's PEL; the consumer re-reads them first and they are
+  trained again, which is right: the steps that used them died with the
+  process (their metrics lines are dropped too);
+- a redelivered entry whose marker exists is acked by the consumer, never
+  handed to the loop.
+So along the lineage of checkpoints (the ledger, `jet.trainer.checkpoint`)
+every entry is decided exactly once, and every acked entry was decided.
+
+Weight versions stay monotonic across restarts: if `weights:<model>` already
+announces a version newer than the checkpoint's (steps lost in a crash were
+published), the restored weights are published at once as the next version,
+so inference workers leave the lost lineage.
+
+`max_staleness: 0` is the synchronous baseline: after publishing version v
+the trainer accepts only trajectories generated entirely at v, waiting for
+them (a barrier) and dropping older ones (counted as `stale`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from jet.config import JetConfig, TrainerConfig, write_resolved
+from jet.trainer.batch import build_step
+from jet.trainer.checkpoint import Checkpoints
+from jet.trainer.dist import Comm, Plan
+from jet.trainer.feed import Feed
+from jet.trainer.groups import Assembler
+from jet.trainer.intake import Intake
+from jet.trainer.metrics import Metrics
+from jet.trainer.optim import lr_at
+from jet.trainer.packing import pack
+from jet.trainer.weights import prune_weights, weights_dir, write_weights
+from jet.wire import WeightVersion
+
+log = logging.getLogger(__name__)
+
+KEEP_WEIGHTS = 3  # newest weight versions kept on disk
+
+
+@dataclass(slots=True)
+class TrainState:
+    step: int = 0  # optimiser steps taken
+    version: int = 0  # newest weight version published (0 = the model directory's weights)
+    counts: dict[str, int] = field(default_factory=dict)  # outcomes and group counters (jet.trainer.groups)
+
+
+@dataclass(slots=True)
+class Clock:
+    """Where the trainer's time goes since the loop started (seconds)."""
+
+    start: float = field(default_factory=time.monotonic)
+    busy: float = 0.0  # forward/backward, optimiser, publishing
+    wait: float = 0.0  # waiting for trainable groups
+    steps: int = 0
+    tokens: float = 0.0  # tokens forwarded
+
+
+def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *,
+        backend: str | None = None, device: str | None = None) -> TrainState:
+    """Train `model` until `trainer.steps` or `stop()`; returns the final state."""
+    tc = cfg.trainer
+    root = Path(cfg.run_dir) / "trainer" / model
+
+    # -- set-up: ranks, seeds, the backend, the checkpoint to resume from
+    comm, engine = make_backend(backend or tc.backend, cfg.model(model).path, tc, device)
+    torch.manual_seed(tc.seed + comm.rank)
+    random.seed(tc.seed + comm.rank)
+    ckpts = Checkpoints(root, tc.keep_checkpoints, comm.barrier, comm.rank)
+    state, resumed = TrainState(), ckpts.resume()
+    if resumed:
+        engine.load(resumed[0])
+        state = TrainState(resumed[1]["step"], resumed[1]["version"], resumed[1].get("counts", {}))
+        log.info("resumed %s from %s (step %d, version %d)", model, resumed[0], state.step, state.version)
+
+    with contextlib.ExitStack() as stack:
+        intake = metrics = None
+        if comm.leader:
+            write_resolved(cfg, cfg.run_dir)
+            feed = stack.enter_context(Feed.for_trainer(cfg, model, url))
+            asm = Assembler(min_size=tc.min_group_size, timeout_s=tc.group_timeout_s, max_staleness=tc.max_staleness)
+            asm.counts.update(state.counts)
+            intake = Intake(feed, asm)
+            metrics = stack.enter_context(contextlib.closing(Metrics(root, resume_step=state.step)))
+            if resumed:  # a crash may have come between the checkpoint and its acks
+                feed.ack([(c["entry"], c["msg"]) for c in resumed[1]["consumed"]])
+
+        # -- versions stay monotonic: republish restored weights past any lost lineage's announcements
+        plan = comm.share_plan(first_plan(intake, state) if comm.leader else None)
+        if plan.publish:
+            state.version = plan.version
+            publish(engine, comm, intake, cfg.run_dir, model, state)
+
+        clock, last_checkpoint = Clock(), state.step
+        while True:
+            # 1. rank 0: the next batch of trainable groups, and what this step does
+            plan = groups = rows = inputs = None
+            if comm.leader:
+                t0 = time.monotonic()
+                batch = None if state.step >= tc.steps else next_batch(intake, tc, state, stop)
+                clock.wait += time.monotonic() - t0
+                if batch is None:
+                    dirty = state.step > last_checkpoint or bool(intake.consumed)
+                    plan = Plan(stop=True, checkpoint=dirty, step=state.step, version=state.version)
+                else:
+                    groups, inputs, rows = batch
+                    n = state.step + 1
+                    publish_now = n % tc.publish_every == 0
+                    checkpoint_now = bool(tc.checkpoint_every) and n % tc.checkpoint_every == 0
+                    plan = Plan(publish=publish_now, checkpoint=checkpoint_now, step=state.step,
+                                version=state.version + publish_now, lr=lr_at(state.step, tc))
+            plan = comm.share_plan(plan)
+            if plan.stop:
+                if plan.checkpoint:
+                    checkpoint(ckpts, engine, comm, intake, state)
+                break
+
+            # 2. forward/backward on this rank's micro-batches, one optimiser step
+            t0 = time.monotonic()
+            rows, inputs = comm.share(rows, inputs)
+            stats = engine.train_step(comm.mine(rows), inputs, plan.lr, pad_row=rows[0])
+            trained_at, state.step = state.version, state.step + 1
+
+            # 3. publish the new weights every publish_every steps
+            if plan.publish:
+                state.version = plan.version
+                publish(engine, comm, intake, cfg.run_dir, model, state)
+            clock.busy += time.monotonic() - t0
+            clock.steps += 1
+            clock.tokens += stats.row_tokens
+
+            # 4. rank 0: the step's groups are consumed; metrics
+            if comm.leader:
+                staleness = intake.trained(groups, state.step, trained_at)
+                metrics.log(state.step, step_metrics(stats, inputs, staleness, len(groups), plan.lr, state,
+                                                     clock, intake))
+
+            # 5. checkpoint, then ack what it made durable
+            if plan.checkpoint:
+                checkpoint(ckpts, engine, comm, intake, state)
+                last_checkpoint = state.step
+    log.info("trainer of %s stopped at step %d (version %d)", model, state.step, state.version)
+    return state
+
+
+def make_backend(kind: str, path: str, tc: TrainerConfig, device: str | None):
+    if kind == "torch":
+        from jet.trainer.backend_torch import TorchBackend
+
+        return Comm(), TorchBackend(path, tc, device)
+    if kind == "deepspeed":
+        from jet.trainer.backend_deepspeed import DeepSpeedBackend, init_distributed
+
+        comm = init_distributed(device or tc.device)
+        return comm, DeepSpeedBackend(path, tc, comm, device)
+    raise ValueError(f"unknown trainer backend {kind!r}; expected 'torch' or 'deepspeed'")
+
+
+def first_plan(intake: Intake, state: TrainState) -> Plan:
+    announced = intake.feed.latest_weights()
+    newer = announced is not None and announced.version > state.version
+    version = announced.version + 1 if newer else state.version
+    if newer:
+        log.info("weights:%s announces version %d past the checkpoint's %d: republishing as %d",
+                 announced.model, announced.version, state.version, version)
+    return Plan(publish=newer, step=state.step, version=version)
+
+
+def next_batch(intake: Intake, tc: TrainerConfig, state: TrainState, stop: Callable[[], bool]):
+    """(groups, step inputs, packed rows) of the next step, or None when stopping."""
+    while True:
+        groups = intake.gather(tc.batch_groups, state.version, state.step, stop)
+        if groups is None:
+            return None
+        inputs = build_step([g.trajectories() for g in groups], advantage=tc.advantage, loss_agg=tc.loss_agg)
+        rows = pack(inputs.samples, tc.micro_batch_tokens)
+        if rows:
+            return groups, inputs, rows
+        intake.trained(groups, state.step, state.version)  # no trained token in them: nothing to step on
+
+
+def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str, state: TrainState) -> None:
+    """Every rank: write the weights as version `state.version` (rank 0), then announce them."""
+    folder = weights_dir(Path(run_dir), model, state.version)
+    with engine.full_module() as module:
+        sha = write_weights(module, folder) if comm.leader else ""
+    if comm.leader:
+        intake.feed.publish(WeightVersion(model=model, version=state.version, path=str(folder.resolve()),
+                                          sha256=sha, step=state.step))
+        prune_weights(Path(run_dir), model, state.version, KEEP_WEIGHTS)
+    comm.barrier()
+
+
+def checkpoint(ckpts: Checkpoints, engine, comm: Comm, intake: Intake | None, state: TrainState) -> None:
+    """Every rank: write the checkpoint; rank 0 then acks the entries it made durable."""
+    consumed = intake.take_consumed() if comm.leader else []
+    state.counts = dict(intake.asm.counts) if comm.leader else {}
+    ckpts.write(state.step, {"version": state.version, "counts": state.counts, "consumed": consumed,
+                             "time": time.time()}, engine.save)
+    if comm.leader:
+        intake.feed.ack([(c["entry"], c["msg"]) for c in consumed])
+        log.info("checkpoint at step %d; acked %d trajectories", state.step, len(consumed))
+
+
+def step_metrics(stats, inputs, staleness: list[int], n_groups: int, lr: float, state: TrainState,
+                 clock: Clock, intake: Intake) -> dict[str, float]:
+    elapsed = max(1e-9, time.monotonic() - clock.start)
+    rewards = torch.tensor(inputs.rewards or [0.0], dtype=torch.float64)
+    lag = intake.feed.lag()
+    out = {
+        "train/loss": stats.loss, "train/pg_loss": stats.pg, "train/kl": stats.kl,
+        "train/clip_frac": stats.clipped / max(1.0, stats.tokens), "train/grad_norm": stats.grad_norm,
+        "train/lr": lr, "train/ratio_max": stats.ratio_max, "train/tokens": stats.tokens,
+        "train/micro_batches": stats.rows,
+        "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),
+        "rollout/groups": n_groups, "rollout/trajectories": len(inputs.rewards),
+        "policy/version": state.version,
+        "policy/staleness": sum(staleness) / max(1, len(staleness)), "policy/staleness_max": max(staleness, default=0),
+        "queue/lag": lag.get("lag"), "queue/pending": lag.get("pending"), "queue/held": intake.asm.waiting,
+        "perf/busy_fraction": clock.busy / elapsed, "perf/busy_s": clock.busy, "perf/wait_s": clock.wait,
+        "perf/steps_per_min": clock.steps / elapsed * 60, "perf/tokens_per_s": clock.tokens / elapsed,
+    }
+    out.update({f"counts/{k}": v for k, v in intake.asm.counts.items()})
+    return out
