@@ -78,28 +78,43 @@ async def serve(c: Consumer, handle: Handler, stop: anyio.Event, *, drain_timeou
         tg.start_soon(lease_keeper, c, inner)
         tg.start_soon(reaper_loop, reaper, inner, every)
         try:
-            while not stop.is_set():
-                try:
-                    batch = await c.fetch()
-                    if batch:
-                        await _handle(c, batch, handle, stop, drain_timeout_s)
-                except ConnectError as e:
-                    log.warning("%s; reconnecting", e)
-                    await anyio.sleep(0.5)
-                    c.restarted()
-                    await retry_forever(c.ensure_group, url=c.url, what="reconnect")
-                except QueueError as e:
-                    if "NOGROUP" not in str(e):
-                        raise
-                    await c.ensure_group()  # the server lost its data: start the group again
+            await _loop(c, handle, stop, drain_timeout_s)
         finally:
             inner.set()
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await _release_all(c)
 
 
-async def _handle(c: Consumer, batch: list[Delivery], handle: Handler, stop: anyio.Event,
-                  drain_timeout_s: float) -> None:
+async def _loop(c: Consumer, handle: Handler, stop: anyio.Event, drain_timeout_s: float) -> None:
+    """fetch -> handle -> commit, with each batch's commit overlapped with the next fetch:
+    both are network waits, so the client and the server work at the same time."""
+    done: tuple[list[Delivery], Sequence[Result]] | None = None
+    while not stop.is_set() or done:
+        batch: list[Delivery] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                if done:
+                    tg.start_soon(_finish, c, *done)
+                done = None
+                if not stop.is_set():
+                    batch = await c.fetch()
+        except* ConnectError as eg:
+            log.warning("%s; reconnecting", eg.exceptions[0])
+            await anyio.sleep(0.5)
+            c.restarted()  # what was not committed is still pending to us: re-read first
+            await retry_forever(c.ensure_group, url=c.url, what="reconnect")
+        except* QueueError as eg:
+            if not all("NOGROUP" in str(e) for e in eg.exceptions):
+                raise
+            await c.ensure_group()  # the server lost its data: start the group again
+        if batch:
+            results = await _run_handler(batch, handle, stop, drain_timeout_s)
+            if results is not None:  # None: drain deadline hit mid-batch; it is released
+                done = (batch, results)
+
+
+async def _run_handler(batch: list[Delivery], handle: Handler, stop: anyio.Event,
+                       drain_timeout_s: float) -> Sequence[Result] | None:
     results: Sequence[Result] | None = None
     with anyio.CancelScope() as scope:
         async def deadline() -> None:
@@ -111,10 +126,12 @@ async def _handle(c: Consumer, batch: list[Delivery], handle: Handler, stop: any
             tg.start_soon(deadline)
             results = await handle(batch)
             tg.cancel_scope.cancel()
-    if results is None:  # drain deadline hit mid-batch: give the batch back
-        return
-    done = [(d, r) for d, r in zip(batch, results) if not isinstance(r, BaseException)]
-    await c.commit(done)
+    return results
+
+
+async def _finish(c: Consumer, batch: list[Delivery], results: Sequence[Result]) -> None:
+    """Commit the successes atomically; record and release the failures."""
+    await c.commit([(d, r) for d, r in zip(batch, results) if not isinstance(r, BaseException)])
     for d, r in zip(batch, results):
         if isinstance(r, BaseException):
             err = "".join(traceback.format_exception(r))
