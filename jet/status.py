@@ -122,28 +122,20 @@ def dlq_list(run, redis_url, run_dir, stream, limit, as_json):
     click.echo(f"{len(rows)} dead letter(s)")
 
 
-def _ids_or_all(ids, all_):
-    if bool(ids) == bool(all_):
-        raise click.UsageError("give dead-letter ids or --all (not both)")
+def _change(op: str, done: str):
+    """`jet dlq requeue` / `jet dlq drop`: the same arguments, one operation each."""
+
+    @_common
+    @click.argument("ids", nargs=-1)
+    @click.option("--all", "all_", is_flag=True, help="Every dead letter (of --stream, if given).")
+    def command(run, redis_url, run_dir, stream, limit, ids, all_):
+        if bool(ids) == bool(all_):
+            raise click.UsageError("give dead-letter ids or --all (not both)")
+        n = run_jet(_dlq, op, resolve_url(redis_url, run_dir), run or "default", ids, all_, stream, limit)
+        click.echo(f"{done} {n} dead letter(s)")
+
+    return command
 
 
-@dlq.command("requeue")
-@_common
-@click.argument("ids", nargs=-1)
-@click.option("--all", "all_", is_flag=True, help="Every dead letter (of --stream, if given).")
-def dlq_requeue(run, redis_url, run_dir, stream, limit, ids, all_):
-    """Put dead letters back on the stream they came from."""
-    _ids_or_all(ids, all_)
-    n = run_jet(_dlq, "requeue", resolve_url(redis_url, run_dir), run or "default", ids, all_, stream, limit)
-    click.echo(f"requeued {n} dead letter(s)")
-
-
-@dlq.command("drop")
-@_common
-@click.argument("ids", nargs=-1)
-@click.option("--all", "all_", is_flag=True, help="Every dead letter (of --stream, if given).")
-def dlq_drop(run, redis_url, run_dir, stream, limit, ids, all_):
-    """Delete dead letters for good."""
-    _ids_or_all(ids, all_)
-    n = run_jet(_dlq, "drop", resolve_url(redis_url, run_dir), run or "default", ids, all_, stream, limit)
-    click.echo(f"dropped {n} dead letter(s)")
+dlq.command("requeue", help="Put dead letters back on the stream they came from.")(_change("requeue", "requeued"))
+dlq.command("drop", help="Delete dead letters for good.")(_change("drop", "dropped"))

@@ -104,20 +104,9 @@ class HFBackend:
         return outputs
 
     def _request_error(self, prompt: list[int], sp: SamplingParams) -> str | None:
-        if not prompt:
-            return "empty prompt"
-        if len(prompt) >= self.context_length:
-            return (f"prompt of {len(prompt)} tokens leaves no room in the model's context of "
-                    f"{self.context_length} tokens")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            return f"prompt has token ids outside the vocabulary [0, {self.vocab_size})"
-        if not sp.temperature >= 0:
-            return f"temperature must be >= 0, got {sp.temperature}"
         if not 0 < sp.top_p <= 1:
             return f"top_p must be in (0, 1], got {sp.top_p}"
-        if sp.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {sp.max_tokens}"
-        return None
+        return request_error(prompt, sp, self.context_length, self.vocab_size)
 
     def _decode(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
         import torch
@@ -213,6 +202,22 @@ class HFBackend:
                  for k, v in state.items() if v.shape != live[k].shape]
         if wrong:
             raise WeightsError(f"{file}: shape mismatch: {wrong[:5]}")
+
+
+def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vocab_size: int) -> str | None:
+    """Why a request cannot be served by any backend (None when it can); top_p is each backend's own."""
+    if not prompt:
+        return "empty prompt"
+    if len(prompt) >= context_length:
+        return (f"prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                f"{context_length} tokens")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        return f"prompt has token ids outside the vocabulary [0, {vocab_size})"
+    if not sp.temperature >= 0:
+        return f"temperature must be >= 0, got {sp.temperature}"
+    if sp.max_tokens < 1:
+        return f"max_tokens must be >= 1, got {sp.max_tokens}"
+    return None
 
 
 def _sample(logits, logp, sp: SamplingParams, gen) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 import anyio
 
 from jet.errors import ConfigError, WeightsError
-from jet.workers.hf_backend import WEIGHTS_FILE, GenOutput, SamplingParams, _sha256, _version_in
+from jet.workers.hf_backend import WEIGHTS_FILE, GenOutput, SamplingParams, _sha256, _version_in, request_error
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +67,10 @@ class VLLMBackend:
         return self.engine.model_config.max_model_len
 
     def _request_error(self, prompt: list[int], sp: SamplingParams) -> str | None:
-        if not prompt:
-            return "empty prompt"
-        if len(prompt) >= self.context_length:
-            return (f"prompt of {len(prompt)} tokens leaves no room in the model's context of "
-                    f"{self.context_length} tokens")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            return f"prompt has token ids outside the vocabulary [0, {self.vocab_size})"
-        if not sp.temperature >= 0:
-            return f"temperature must be >= 0, got {sp.temperature}"
         if sp.top_p != 1:
             return (f"top_p={sp.top_p} is not supported by the vllm backend: its logprobs would be "
                     "renormalised over the nucleus, not those the trainer recomputes; use top_p=1")
-        if sp.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {sp.max_tokens}"
-        return None
+        return request_error(prompt, sp, self.context_length, self.vocab_size)
 
     async def agenerate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
         """Complete every prompt concurrently in the engine; outputs in request order."""
