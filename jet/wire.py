@@ -19,7 +19,9 @@ retried request harmless, and a GenResult names the request it answers.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jet.errors import CodecError
@@ -191,6 +193,15 @@ class GenResult:
                    finish_reason=_require(m, "finish_reason", str, k), version=_require(m, "version", int, k),
                    error=_optional(m, "error", str, k), worker=_optional(m, "worker", str, k, ""),
                    msg_id=p.msg_id)
+
+
+def file_sha256(path: str | Path) -> str:
+    """The hex sha256 of a weights file: what a WeightVersion carries and loaders check."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

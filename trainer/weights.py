@@ -16,10 +16,11 @@ weights never go through Redis.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
+
+from jet.wire import file_sha256
 
 WEIGHTS_FILE = "model.safetensors"  # the name jet.workers.hf_backend looks for in a folder
 
@@ -35,14 +36,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def state_tensors(module) -> dict:
@@ -72,7 +65,7 @@ def write_weights(module, folder: Path) -> str:
         fsync_path(folder / "config.json.tmp")
         os.replace(folder / "config.json.tmp", folder / "config.json")
     fsync_path(folder)
-    return sha256_of(final)
+    return file_sha256(final)
 
 
 def prune_weights(run_dir: Path, model: str, newest: int, keep: int) -> None:

@@ -31,13 +31,13 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from jet.errors import WeightsError
+from jet.wire import file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -176,7 +176,7 @@ class HFBackend:
         if not file.is_file():
             raise WeightsError(f"no weights file at {file}")
         if sha256 is not None:
-            digest = _sha256(file)
+            digest = file_sha256(file)
             if digest != sha256.lower():
                 raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
         state = load_file(str(file), device="cpu")
@@ -253,14 +253,6 @@ def _generator(seed: int | None):
     else:
         gen.manual_seed(seed)
     return gen
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _version_in(file: Path, default: int) -> int:

@@ -35,7 +35,8 @@ from pathlib import Path
 import anyio
 
 from jet.errors import ConfigError, WeightsError
-from jet.workers.hf_backend import WEIGHTS_FILE, GenOutput, SamplingParams, _sha256, _version_in, request_error
+from jet.wire import file_sha256
+from jet.workers.hf_backend import WEIGHTS_FILE, GenOutput, SamplingParams, _version_in, request_error
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class VLLMBackend:
         if not file.is_file():
             raise WeightsError(f"no weights file at {file}")
         if sha256 is not None:
-            digest = await anyio.to_thread.run_sync(_sha256, file)
+            digest = await anyio.to_thread.run_sync(file_sha256, file)
             if digest != sha256.lower():
                 raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
         try:
