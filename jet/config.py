@@ -103,6 +103,8 @@ class ModelConfig:
     device: str = "cpu"
     # Generation requests batched together by one inference worker (requests).
     max_batch: int = 16
+    # This model's trainer settings over the top-level `trainer` section (e.g. {lr: 1e-4, seed: 1}).
+    trainer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         _name("model", self.name)
@@ -207,12 +209,14 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     # Seed of torch, numpy and the dataset order (integer).
     seed: int = 0
+    # Longest wait for a task with no ready group before a step is filled with other tasks' groups (s).
+    mix_wait_s: float = 30.0
 
     def __post_init__(self):
         positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps",
                  "min_group_size", "group_timeout_s", "nproc", "lease_s", "keep_checkpoints")
         non_negative(self, "max_staleness", "checkpoint_every", "kl_coef", "grad_clip", "warmup_steps", "seed",
-                     "weight_decay")
+                     "weight_decay", "mix_wait_s")
         require(bool(self.device), "device", "must not be empty")
 
 
@@ -236,6 +240,8 @@ class JetConfig:
         require(bool(self.runs_dir), "runs_dir", "must not be empty")
         _unique("models", [m.name for m in self.models])
         _unique("tasks", [t.name for t in self.tasks])
+        for i, m in enumerate(self.models):
+            self._merged_trainer(m, f"models[{i}].trainer")  # validates the override's keys, types and ranges
         names = [m.name for m in self.models]
         tasks = []
         for i, task in enumerate(self.tasks):
@@ -263,12 +269,30 @@ class JetConfig:
                 return m
         raise KeyError(name)
 
+    def trainer_of(self, name: str) -> TrainerConfig:
+        """The trainer settings of model `name`: its `trainer` override merged over the top-level section."""
+        return self._merged_trainer(self.model(name), "trainer")
+
+    def _merged_trainer(self, m: ModelConfig, path: str) -> TrainerConfig:
+        if not m.trainer:
+            return self.trainer
+        for key in m.trainer:
+            _check_trainer_key(key, path)
+        return configlib.load(TrainerConfig, {**configlib.dump(self.trainer), **m.trainer}, path)
+
     def task(self, name: str) -> TaskConfig:
         """The task called `name` (KeyError if none)."""
         for t in self.tasks:
             if t.name == name:
                 return t
         raise KeyError(name)
+
+
+def _check_trainer_key(key: Any, path: str) -> None:
+    names = [f.name for f in dataclasses.fields(TrainerConfig)]
+    close = difflib.get_close_matches(str(key), names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    require(key in names, f"{path}.{key}", f"unknown trainer setting{hint}")
 
 
 def _unique(section: str, names: list[str]) -> None:
@@ -313,7 +337,9 @@ def _resolve_paths(cfg: JetConfig, base: Path) -> JetConfig:
         python = t.runtime.python
         runtime = dataclasses.replace(
             t.runtime,
-            python=resolve(python) if python and ("/" in python or os.sep in python) else python,
+            # An interpreter path keeps its symlinks: a virtual env's python links to its base one.
+            python=os.path.abspath(base / Path(python).expanduser()) if python and ("/" in python or os.sep in python)
+            else python,
             cwd=resolve(t.runtime.cwd) if t.runtime.cwd else None,
         )
         dataset = resolve(t.dataset) if _is_path(t.dataset) else t.dataset

@@ -69,7 +69,7 @@ def ensure_models(cfg: JetConfig) -> list[str]:
             raise ConfigError(f"models[{i}].path: no model directory at {m.path!r}")
         from jet.models import init_model
 
-        init_model(m.path, seed=cfg.trainer.seed)
+        init_model(m.path, seed=cfg.trainer_of(m.name).seed)  # a model's own trainer.seed: teams differ
         built.append(m.path)
     return built
 

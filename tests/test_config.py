@@ -373,3 +373,47 @@ def test_trainer_fields_of_the_trainer_issue():
     assert str(error(load, {"trainer": {"nproc": 0}})) == "trainer.nproc: must be > 0, got 0"
     assert str(error(load, {"trainer": {"lr_schedule": "step"}})).startswith("trainer.lr_schedule: expected one of")
     assert str(error(load, {"trainer": {"device": ""}})) == "trainer.device: must not be empty"
+
+
+# ---- multi-model teams and task cocktails (issue 6)
+
+
+def test_a_models_trainer_section_overrides_the_top_level_one():
+    data = minimal(trainer={"lr": 1e-3, "steps": 10})
+    data["models"] = [{"name": "a", "path": "a", "trainer": {"lr": 5e-4, "seed": 7}}, {"name": "b", "path": "b"}]
+    data["tasks"][0]["model"] = "a"
+    cfg = load(data)
+    assert (cfg.trainer_of("a").lr, cfg.trainer_of("a").seed, cfg.trainer_of("a").steps) == (5e-4, 7, 10)
+    assert cfg.trainer_of("b") == cfg.trainer and cfg.trainer.lr == 1e-3
+    assert load(config.dump(cfg)) == cfg
+    with pytest.raises(KeyError):
+        cfg.trainer_of("c")
+
+
+def test_a_models_trainer_override_is_validated_with_its_path():
+    def bad(override):
+        data = minimal()
+        data["models"][0]["trainer"] = override
+        return str(error(load, data))
+
+    assert bad({"lrr": 1.0}).endswith("models[0].trainer.lrr: unknown trainer setting (did you mean 'lr'?)")
+    assert bad({"lr": "fast"}).endswith("models[0].trainer.lr: expected float, got 'fast'")
+    assert bad({"steps": 0}).endswith("models[0].trainer.steps: must be > 0, got 0")
+    assert bad({"advantage": "ppo"}).startswith("models[0].trainer.advantage: expected one of")
+
+
+def test_a_models_trainer_override_can_be_set_from_the_cli(tmp_path):
+    path = write(tmp_path, yaml.safe_dump(minimal()))
+    cfg = load_file(path, ["models.0.trainer.lr=0.5", "trainer.mix_wait_s=2"])
+    assert cfg.trainer_of("m").lr == 0.5 and cfg.trainer.lr == 1e-5 and cfg.trainer_of("m").mix_wait_s == 2.0
+    assert str(error(load_file, path, ["trainer.mix_wait_s=-1"])).endswith("trainer.mix_wait_s: must be >= 0, got -1.0")
+
+
+def test_team_and_cocktail_configs_load():
+    team = load_file(REPO / "configs" / "team.yaml")
+    assert [(m.name, m.trainable) for m in team.models] == [("proposer", True), ("solver", True)]
+    assert team.trainer_of("proposer").seed != team.trainer_of("solver").seed
+    assert team.tasks[0].workflow == "jet.tasks.propose:workflow" and team.tasks[0].dataset == "propose"
+    cocktail = load_file(REPO / "configs" / "cocktail.yaml")
+    assert {t.name: t.weight for t in cocktail.tasks} == {"guess": 3.0, "arith": 1.0}
+    assert cocktail.trainer.mix_wait_s > 0

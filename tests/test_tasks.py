@@ -1,15 +1,18 @@
-"""Built-in tasks: datasets, the guessing game's rules and reward, the safe evaluator."""
+"""Built-in tasks: datasets, the guessing game's rules and reward, the safe evaluator, the two-model team."""
 
+import anyio
 import pytest
 
 from jet.errors import ConfigError
 from jet.tasks import dataset, names
 from jet.tasks.expressions import evaluate
 from jet.tasks.guess import feedback, first_int, score
+from jet.tasks.propose import workflow as propose
+from jet.wire import Task
 
 
 def test_datasets_are_deterministic_and_well_formed():
-    assert names() == ["arith", "guess"]
+    assert names() == ["arith", "guess", "propose"]
     assert dataset("guess", 20, seed=3) == dataset("guess", 20, seed=3) != dataset("guess", 20, seed=4)
     assert all(r["low"] <= r["secret"] <= r["high"] for r in dataset("guess", 50))
     rows = dataset("arith", 50, seed=1)
@@ -33,3 +36,29 @@ def test_evaluate_computes_arithmetic_and_nothing_else():
     for bad in ("__import__('os')", "2 ** 100000", "x + 1", "1 / 0", "[1]", "1" * 300):
         with pytest.raises(ValueError):
             evaluate(bad)
+
+
+class ScriptedLLM:
+    """Replies from a script per (model, agent); records who was called with what."""
+
+    def __init__(self, script: dict[tuple[str, str], list[str]]):
+        self.script, self.calls, self.info = script, [], {}
+
+    async def chat(self, messages, *, model, agent, **sampling):
+        self.calls.append((model, agent, messages[-1]["content"]))
+        return {"role": "assistant", "content": self.script[(model, agent)].pop(0)}
+
+
+def test_propose_has_each_agent_on_its_own_model_with_its_own_reward():
+    row = {"low": 1, "high": 10, "secret": 4, "max_turns": 3, "max_tokens": 6}
+    task = Task("propose", row, group_id="g", index=0, group_size=1)
+    llm = ScriptedLLM({("proposer", "proposer"): ["7"], ("solver", "solver"): ["3", "9", "7"]})
+    reward = anyio.run(propose, task, llm)
+    assert [(m, a) for m, a, _ in llm.calls] == [("proposer", "proposer")] + [("solver", "solver")] * 3
+    assert llm.calls[0][2] == "Pick a number between 1 and 10." and llm.calls[2][2] == "3 is too low. Go higher."
+    assert reward == {"proposer": pytest.approx(0.5 + 0.5 * (1 - 0.8)), "solver": pytest.approx(0.8)}
+    # an invalid proposal scores 0 for the proposer; the solver plays the row's fallback secret
+    llm = ScriptedLLM({("proposer", "proposer"): ["many"], ("solver", "solver"): ["4"]})
+    assert anyio.run(propose, task, llm) == {"proposer": 0.0, "solver": 1.0}
+    assert llm.info["valid"] is False and llm.info["secret"] == 4
+    assert all(1 <= r["low"] <= r["secret"] <= r["high"] <= 10 for r in dataset("propose", 50))

@@ -64,7 +64,7 @@ def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_a
     for members in groups:
         per_member = member_advantages([t.reward for t in members], advantage)
         for traj, a in zip(members, per_member):
-            rewards.append(_mean_reward(traj))
+            rewards.append(mean_reward(traj))
             for s in traj.samples:
                 key = s.agents[0] if isinstance(traj.reward, dict) else None
                 samples.append(s)
@@ -102,7 +102,7 @@ def _weights(seq_of_entry: list[tuple[str, str]], tokens: list[int], loss_agg: s
     return [1.0 / (len(live) * live[k]) if k in live else 0.0 for k in seq_of_entry], len(live)
 
 
-def _mean_reward(traj: Trajectory) -> float:
+def mean_reward(traj: Trajectory) -> float:
     """The member's reward for metrics: the number, or the mean over agents of a dict."""
     r = traj.reward
     if isinstance(r, dict):

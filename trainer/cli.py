@@ -66,8 +66,8 @@ def train(config_path, overrides, model, backend, nproc, device, redis_url) -> N
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     model = _trained_model(cfg, model)
-    backend = backend or cfg.trainer.backend
-    nproc = nproc or cfg.trainer.nproc
+    backend = backend or cfg.trainer_of(model).backend
+    nproc = nproc or cfg.trainer_of(model).nproc
     rank = os.environ.get("RANK")
     url = resolve_url(redis_url) if rank in (None, "0") else None
     if backend == "deepspeed" and rank is None:

@@ -60,7 +60,7 @@ class Feed:
     @classmethod
     def for_trainer(cls, cfg: JetConfig, model: str, url: str) -> "Feed":
         """The feed of `model`'s trainer: consumer `<host>-trainer-<model>-0`, the trainer's long lease."""
-        q, lease_ms = cfg.queues, int(cfg.trainer.lease_s * 1000)
+        q, lease_ms = cfg.queues, int(cfg.trainer_of(model).lease_s * 1000)
         settings = Settings(lease_ms=lease_ms, max_deliveries=q.max_deliveries,
                             block_ms=min(q.block_ms, lease_ms // 4), batch=q.batch, marker_ttl_s=q.marker_ttl_s,
                             max_entry_bytes=q.max_entry_bytes)

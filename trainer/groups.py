@@ -94,7 +94,8 @@ class Assembler:
         self.finished: OrderedDict[tuple[str, str], None] = OrderedDict()  # recently done groups
         self.remember = remember
         self.decided: list[Entry] = []  # decided outside a taken group, not yet popped
-        self.counts: Counter[str] = Counter()  # outcomes, plus groups_trained / groups_dropped / timeouts
+        # outcomes, plus groups_trained (also per task: groups_trained/<task>) / groups_dropped / timeouts
+        self.counts: Counter[str] = Counter()
 
     def add(self, entry: Entry, version: int, now: float) -> None:
         """File one trajectory under its group (or decide it at once: late, duplicate)."""
@@ -120,15 +121,16 @@ class Assembler:
         if entry.outcome != "retried":
             group.left_out.add(t.index)
 
-    def take(self, n: int, version: int, now: float) -> list[Group]:
-        """Up to `n` trainable groups, oldest first; drops done groups below `min_size`."""
+    def take(self, n: int, version: int, now: float, task: str | None = None) -> list[Group]:
+        """Up to `n` trainable groups (of `task` only, if given), oldest first; drops done groups below `min_size`."""
         out: list[Group] = []
         for key, group in list(self.groups.items()):
             if len(out) >= n:
                 break
+            if task is not None and group.task != task:
+                continue
             self._recheck_staleness(group, version)
-            timed_out = now - group.first_seen >= self.timeout_s
-            if not (group.complete or timed_out):
+            if not self._done(group, now):
                 continue
             del self.groups[key]
             self._finish(key)
@@ -136,6 +138,7 @@ class Assembler:
                 self.counts["timeouts"] += 1
             if len(group.members) >= self.min_size:
                 self.counts["groups_trained"] += 1
+                self.counts[f"groups_trained/{group.task}"] += 1
                 out.append(group)
             else:
                 self.counts["groups_dropped"] += 1
@@ -144,6 +147,17 @@ class Assembler:
                         self._set(e, "small_group")
                     self.decided.append(e)
         return out
+
+    def ready(self, now: float) -> dict[str, int]:
+        """Done groups per task (complete or timed out): what `take` would hand out, small ones aside."""
+        out: dict[str, int] = {}
+        for g in self.groups.values():
+            if self._done(g, now):
+                out[g.task] = out.get(g.task, 0) + 1
+        return out
+
+    def _done(self, group: Group, now: float) -> bool:
+        return group.complete or now - group.first_seen >= self.timeout_s
 
     def trained(self, group: Group) -> list[Entry]:
         """Mark a taken group's members trained; returns all its entries (members and left-out ones)."""

@@ -2,11 +2,18 @@
 
 What it is: `Intake.gather(n, version, step, stop)` polls the feed and files
 each trajectory with the `Assembler` until `n` trainable groups are ready
-(or `stop()` says to stop: None). Every entry whose fate is decided (trained
-with its group, or dropped: stale, failed, small group, late, ...) is
-recorded in `consumed` with the step it was decided at; `take_consumed()`
-hands that list to the checkpoint, after which the loop acks it. Until then
-the entries stay pending in Redis under the trainer's lease.
+(or `stop()` says to stop: None). With several tasks the step's groups follow
+the tasks' mixing weights (`jet.trainer.mix.allocate`, on the cumulative
+groups trained per task); a task with no ready group is waited for at most
+`mix_wait_s` per step, and not at all once it has sent nothing for that long
+(tasks of this model in the config count as sending from the start; other
+tasks join when their first trajectory comes).
+
+Every entry whose fate is decided (trained with its group, or dropped:
+stale, failed, small group, late, ...) is recorded in `consumed` with the
+step it was decided at; `take_consumed()` hands that list to the checkpoint,
+after which the loop acks it. Until then the entries stay pending in Redis
+under the trainer's lease.
 
 What it is not: a trainer. No torch; the loop decides what to do with groups.
 """
@@ -14,28 +21,52 @@ What it is not: a trainer. No torch; the loop decides what to do with groups.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from jet.trainer.feed import Feed
 from jet.trainer.groups import Assembler, Entry, Group, staleness
+from jet.trainer.mix import allocate
 
 
 class Intake:
-    def __init__(self, feed: Feed, assembler: Assembler, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, feed: Feed, assembler: Assembler, clock: Callable[[], float] = time.monotonic, *,
+                 weights: Mapping[str, float] | None = None, expected: Iterable[str] = (), mix_wait_s: float = 0.0):
         self.feed, self.asm, self.clock = feed, assembler, clock
         self.consumed: list[dict] = []  # decided since the last checkpoint
+        self.weights = dict(weights or {})  # task -> mixing weight (jet.trainer.mix); a missing task weighs 1
+        self.mix_wait_s = mix_wait_s
+        self.last_seen: dict[str, float] = {t: clock() for t in expected}  # task -> when its last trajectory came
 
     def gather(self, n: int, version: int, step: int, stop: Callable[[], bool]) -> list[Group] | None:
-        """`n` trainable groups, oldest first; None when `stop()` turned true first."""
+        """`n` trainable groups in the configured task mix; None when `stop()` turned true first."""
         groups: list[Group] = []
+        start = self.clock()
         while len(groups) < n:
             if stop():
                 return None
             for entry_id, traj in self.feed.poll():
+                self.last_seen[traj.task] = self.clock()
                 self.asm.add(Entry(entry_id, traj), version, self.clock())
-            groups += self.asm.take(n - len(groups), version, self.clock())
+            now = self.clock()
+            ready = self.asm.ready(now)
+            plan = allocate(n - len(groups), ready, self.weights, self.trained_per_task(), self._hold(now, start))
+            for task, k in plan.items():
+                groups += self.asm.take(k, version, now, task=task)
             self._record(self.asm.pop_decided(), step)
         return groups
+
+    def trained_per_task(self) -> dict[str, int]:
+        """Groups trained so far per task (this run's lineage, checkpointed with the counts)."""
+        prefix = "groups_trained/"
+        return {k[len(prefix):]: v for k, v in self.asm.counts.items() if k.startswith(prefix)}
+
+    def _hold(self, now: float, start: float) -> set[str]:
+        """Tasks worth waiting for when they run out of ready groups: weight > 0, produced within mix_wait_s,
+        and this step has not waited mix_wait_s yet. A task that stopped producing holds nobody up longer."""
+        if now - start >= self.mix_wait_s:
+            return set()
+        return {t for t, seen in self.last_seen.items()
+                if self.weights.get(t, 1.0) > 0 and now - seen < self.mix_wait_s}
 
     def trained(self, groups: Sequence[Group], step: int, version: int) -> list[int]:
         """Record the groups of step `step` as consumed; returns each trained member's staleness."""

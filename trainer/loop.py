@@ -2,7 +2,8 @@
 
 It reads top to bottom like nanochat's chat_rl.py: set-up and resume, then
 one iteration per optimiser step: (1) rank 0 gathers `batch_groups`
-trainable GRPO groups from `traj:<model>` (`jet.trainer.intake`), computes
+trainable GRPO groups from `traj:<model>` in the tasks' mixing ratio
+(`jet.trainer.intake`, `jet.trainer.mix`), computes
 advantages and loss weights and packs micro-batches by the token budget;
 (2) every rank runs forward/backward on its share and the optimiser steps;
 (3) every `publish_every` steps the weights are written and announced;
@@ -51,7 +52,7 @@ from typing import Callable
 import torch
 
 from jet.config import JetConfig, TrainerConfig, write_resolved
-from jet.trainer.batch import build_step
+from jet.trainer.batch import build_step, mean_reward
 from jet.trainer.checkpoint import Checkpoints
 from jet.trainer.dist import Comm, Plan
 from jet.trainer.feed import Feed
@@ -89,7 +90,7 @@ class Clock:
 def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *,
         backend: str | None = None, device: str | None = None) -> TrainState:
     """Train `model` until `trainer.steps` or `stop()`; returns the final state."""
-    tc = cfg.trainer
+    tc = cfg.trainer_of(model)  # the top-level trainer section under the model's own `trainer` overrides
     root = Path(cfg.run_dir) / "trainer" / model
 
     # -- set-up: ranks, seeds, the backend, the checkpoint to resume from
@@ -110,7 +111,8 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             feed = stack.enter_context(Feed.for_trainer(cfg, model, url))
             asm = Assembler(min_size=tc.min_group_size, timeout_s=tc.group_timeout_s, max_staleness=tc.max_staleness)
             asm.counts.update(state.counts)
-            intake = Intake(feed, asm)
+            intake = Intake(feed, asm, weights={t.name: t.weight for t in cfg.tasks}, mix_wait_s=tc.mix_wait_s,
+                            expected=[t.name for t in cfg.tasks if t.model == model and t.weight > 0])
             metrics = stack.enter_context(contextlib.closing(Metrics(root, resume_step=state.step)))
             if resumed:  # a crash may have come between the checkpoint and its acks
                 feed.ack([(c["entry"], c["msg"]) for c in resumed[1]["consumed"]])
@@ -162,7 +164,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             # 4. rank 0: the step's groups are consumed; metrics
             if comm.leader:
                 staleness = intake.trained(groups, state.step, trained_at)
-                metrics.log(state.step, step_metrics(stats, inputs, staleness, len(groups), plan.lr, state,
+                metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
 
             # 5. checkpoint, then ack what it made durable
@@ -232,7 +234,7 @@ def checkpoint(ckpts: Checkpoints, engine, comm: Comm, intake: Intake | None, st
         log.info("checkpoint at step %d; acked %d trajectories", state.step, len(consumed))
 
 
-def step_metrics(stats, inputs, staleness: list[int], n_groups: int, lr: float, state: TrainState,
+def step_metrics(stats, inputs, staleness: list[int], groups, lr: float, state: TrainState,
                  clock: Clock, intake: Intake) -> dict[str, float]:
     elapsed = max(1e-9, time.monotonic() - clock.start)
     rewards = torch.tensor(inputs.rewards or [0.0], dtype=torch.float64)
@@ -243,7 +245,7 @@ def step_metrics(stats, inputs, staleness: list[int], n_groups: int, lr: float, 
         "train/lr": lr, "train/ratio_max": stats.ratio_max, "train/tokens": stats.tokens,
         "train/micro_batches": stats.rows,
         "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),
-        "rollout/groups": n_groups, "rollout/trajectories": len(inputs.rewards),
+        "rollout/groups": len(groups), "rollout/trajectories": len(inputs.rewards),
         "policy/version": state.version,
         "policy/staleness": sum(staleness) / max(1, len(staleness)), "policy/staleness_max": max(staleness, default=0),
         "queue/lag": lag.get("lag"), "queue/pending": lag.get("pending"), "queue/held": intake.asm.waiting,
@@ -251,4 +253,14 @@ def step_metrics(stats, inputs, staleness: list[int], n_groups: int, lr: float, 
         "perf/steps_per_min": clock.steps / elapsed * 60, "perf/tokens_per_s": clock.tokens / elapsed,
     }
     out.update({f"counts/{k}": v for k, v in intake.asm.counts.items()})
+    out.update({f"train/{task}/groups": n for task, n in intake.trained_per_task().items()})
+    out.update({f"rollout/{task}/reward_mean": r for task, r in task_rewards(groups).items()})
     return out
+
+
+def task_rewards(groups) -> dict[str, float]:
+    """Mean member reward (a dict reward: its mean over agents) per task of a step's groups."""
+    per_task: dict[str, list[float]] = {}
+    for g in groups:
+        per_task.setdefault(g.task, []).extend(mean_reward(t) for t in g.trajectories())
+    return {task: sum(r) / len(r) for task, r in per_task.items() if r}

@@ -10,7 +10,10 @@ Built-in datasets and the workflows that play them:
 - "arith": an arithmetic question and its integer answer, e.g.
   {"question": "12 + 7 * 3", "answer": 33} (`jet.tasks.expressions`), answered
   with a calculator tool by `jet.tasks.arith:workflow`, an agent written
-  against the `openai` SDK that reaches the model through the gateway.
+  against the `openai` SDK that reaches the model through the gateway;
+- "propose": a range; a proposer model picks the secret and a solver model
+  guesses it (`jet.tasks.propose:workflow`, two agents on two models, a
+  per-agent reward).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from jet.errors import ConfigError
 DATASETS = {
     "guess": "jet.tasks.guess:rows",
     "arith": "jet.tasks.expressions:rows",
+    "propose": "jet.tasks.propose:rows",
 }
 
 
