@@ -13,6 +13,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 # Consumer group names, one per role that reads a stream.
 GROUP_ENV = "env"
+GROUP_ENV_SHADOW = "env-shadow"  # shadow env workers: see every new task, never take one from `env`
 GROUP_INFER = "infer"
 GROUP_TRAINER = "trainer"
 
@@ -44,6 +45,10 @@ class Keys:
 
     def traj(self, model: str) -> str:
         return f"{self.prefix}traj:{check_name('model', model)}"
+
+    def shadow(self, model: str) -> str:
+        """Trajectories of shadow-mode env workers: recorded, never read by a trainer."""
+        return f"{self.prefix}shadow:{check_name('model', model)}"
 
     def weights(self, model: str) -> str:
         return f"{self.prefix}weights:{check_name('model', model)}"

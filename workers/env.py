@@ -28,8 +28,40 @@ an OpenAI-compatible gateway (`jet.workers.gateway`): by default one embedded
 in this process on loopback; with `--gateway-url` a standalone `jet gateway`,
 whose recorded calls are collected before the merge and the commit.
 
-What it is not: a sandbox. Workflows run in this process (`runtime.python`
-other than this interpreter is refused; `runtime.cwd` is put on sys.path).
+Code versions and reloads (issue 6): every Trajectory carries
+`meta["code_version"]`, a short hash of the workflow's and reward's source
+files and of the .py files under `runtime.cwd` (`episode.code_version`),
+computed once when this process loads them. New code needs new processes:
+under the supervisor (`-n N`, or `--reload` with one process), SIGHUP starts a
+new generation of children and, once each has loaded its workflows, SIGTERMs
+the old one, which drains as above (`jet.workers.processes.supervise_children`). The two generations overlap, so
+their consumer names differ: generation bank 1 appends `.1` to the slot
+(`host-env-<task>-0.1`); banks alternate, and a second SIGHUP waits until the
+previous old generation has exited, so never two processes share a name.
+
+Runtimes: a task whose `runtime.python` is another interpreter runs in its own
+child processes, `<runtime.python> -m jet.workers.env --task <name> ...` with
+`cwd=runtime.cwd`, started by the supervisor (which is then always used). That
+interpreter must import jet and its dependencies itself (jet installed in that
+environment, or the environment layered on this one); nothing is added to its
+PYTHONPATH, so the conflicting dependencies of the two stay apart. The
+supervisor checks `import jet.workers.env` under it before starting. A task
+with only `runtime.cwd` runs here with the directory put on sys.path.
+
+Shadow mode (`--shadow`): the worker reads `tasks:<task>` in its own group
+`env-shadow` (created at the stream's end: it sees every task enqueued after
+it started, and takes none from group `env`), publishes its trajectories to
+`shadow:<model>` (no trainer reads it; trimmed to `queues.maxlen.traj`, oldest
+first) tagged `meta["shadow"] = True`, and never retries, dead-letters or
+re-enqueues a task: a failure is only recorded. A group holds back safe
+trimming of the tasks stream until it has read the entries, so on a clean exit
+the last shadow consumer deletes the group (XGROUP DELCONSUMER, then DESTROY
+when none are left). A SIGKILLed shadow worker leaves the group behind: its
+lag shows in `jet status`, and the enqueuer meets backpressure once the stream
+is full; delete it with `XGROUP DESTROY <tasks stream> env-shadow` (or start
+and stop a shadow worker).
+
+What it is not: a sandbox. Workflows run in the worker's process.
 """
 
 from __future__ import annotations
@@ -37,6 +69,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 import sys
 import time
 import traceback
@@ -48,7 +81,7 @@ import jet
 from jet.cliopts import redis_url_option, resolve_url
 from jet.config import JetConfig, TaskConfig
 from jet.errors import CodecError, ConfigError, ConnectError, QueueError
-from jet.keys import GROUP_ENV, Keys
+from jet.keys import GROUP_ENV, GROUP_ENV_SHADOW, Keys
 from jet.llm import LLMClient, Tokenizers, open_client
 from jet.queues import codec
 from jet.queues.connect import connect, retry_forever, translated
@@ -57,9 +90,10 @@ from jet.queues.producer import safe_trim
 from jet.queues.reaper import Reaper
 from jet.queues.serve import lease_keeper, reaper_loop
 from jet.wire import Task
-from jet.workers.episode import Outcome, load_function, play, trajectories
+from jet.workers.episode import Outcome, code_version, load_function, play, trajectories
 from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway
-from jet.workers.processes import queue_settings
+from jet.workers.processes import mark_ready, queue_settings
+from jet.workers.runtimes import check_runtime, env_children, same_python
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +103,15 @@ GATEWAY_URL_ENV = "JET_GATEWAY_URL"
 class TaskRunner:
     """Runs episodes of one task in this process."""
 
-    def __init__(self, cfg: JetConfig, task: TaskConfig, url: str, llm: LLMClient, slot: int,
-                 drain_timeout_s: float, gateway: Episodes):
+    def __init__(self, cfg: JetConfig, task: TaskConfig, url: str, llm: LLMClient, slot: int | str,
+                 drain_timeout_s: float, gateway: Episodes, shadow: bool = False, ready=None):
         self.cfg, self.t, self.url, self.llm, self.gateway = cfg, task, url, llm, gateway
         self.keys = Keys(cfg.run)
-        self.name = consumer_name(f"env-{task.name}", slot)
+        self.shadow = shadow
+        self.group = GROUP_ENV_SHADOW if shadow else GROUP_ENV
+        self.name = consumer_name(f"env-shadow-{task.name}" if shadow else f"env-{task.name}", slot)
+        self.code = ""  # code_version of the loaded workflow and reward
+        self.ready = ready  # called once the workflow is loaded and the group exists
         self.trained = {m.name for m in cfg.models if m.trainable}
         self.drain_timeout_s = drain_timeout_s
         self.running: set[str] = set()
@@ -83,12 +121,17 @@ class TaskRunner:
         settings = queue_settings(self.cfg, self.t.concurrency)
         r = await retry_forever(lambda: connect(self.url, name=self.name), url=self.url, what="connect")
         rb = await connect(self.url, block_ms=settings.block_ms, name=self.name)
-        c = Consumer(r, rb, self.url, self.keys, self.keys.tasks(self.t.name), GROUP_ENV, self.name, settings)
+        c = Consumer(r, rb, self.url, self.keys, self.keys.tasks(self.t.name), self.group, self.name, settings)
         workflow = _load(self.t.workflow, f"tasks.{self.t.name}.workflow")
         reward = _load(self.t.reward, f"tasks.{self.t.name}.reward") if self.t.reward else None
+        self.code = code_version([workflow, reward], self.t.runtime.cwd)
+        log.info("task %s: code version %s%s", self.t.name, self.code, " (shadow)" if self.shadow else "")
         inner = anyio.Event()
+        clean = False
         try:
-            await retry_forever(c.ensure_group, url=self.url, what=f"create group {GROUP_ENV}")
+            await retry_forever(lambda: self._ensure_group(c), url=self.url, what=f"create group {self.group}")
+            if self.ready:
+                self.ready()
             every = min(5.0, max(0.1, settings.lease_ms / 2000))
             async with anyio.create_task_group() as helpers:
                 helpers.start_soon(lease_keeper, c, inner)
@@ -100,10 +143,13 @@ class TaskRunner:
                             await self._wait_freed(1.0)
                     episodes.cancel_scope.cancel()
                 inner.set()
+            clean = True
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 if c.inflight:  # drained or cancelled: give unfinished tasks back at once
                     await c.release()
+                if self.shadow and clean:
+                    await self._leave_shadow_group(c)
                 await r.aclose()
                 await rb.aclose()
 
@@ -124,13 +170,36 @@ class TaskRunner:
             except QueueError as e:
                 if "NOGROUP" not in str(e):
                     raise
-                await c.ensure_group()  # the server lost its data: start the group again
+                await self._ensure_group(c)  # the server lost its data (or the shadow group went): start it again
                 continue
             for d in batch:
                 if d.entry_id in self.running:  # re-read after a reconnect while still running here
                     continue
                 self.running.add(d.entry_id)
                 episodes.start_soon(self._episode, c, d, workflow, reward)
+
+    async def _ensure_group(self, c: Consumer) -> None:
+        """The live group starts at the stream's beginning; a shadow group at its end (new tasks only)."""
+        if not self.shadow:
+            return await c.ensure_group()
+        with translated(self.url):
+            try:
+                await c.r.xgroup_create(c.stream, c.group, id="$", mkstream=True)
+            except Exception as e:  # noqa: BLE001 - translated below unless it is BUSYGROUP
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    async def _leave_shadow_group(self, c: Consumer) -> None:
+        """Delete this consumer (its released entries with it), and the group once no consumer is left,
+        so a stopped shadow worker never holds back trimming of the tasks stream."""
+        try:
+            with translated(self.url):
+                await c.r.xgroup_delconsumer(c.stream, c.group, c.name)
+                if not await c.r.xinfo_consumers(c.stream, c.group):
+                    await c.r.xgroup_destroy(c.stream, c.group)
+                    log.info("shadow group %s of %s deleted", c.group, self.keys.short(c.stream))
+        except QueueError as e:  # another shadow worker deleted it first, or Redis is gone
+            log.info("leaving shadow group %s: %s", c.group, e)
 
     async def _wait_freed(self, timeout: float) -> None:
         with anyio.move_on_after(timeout):
@@ -141,7 +210,10 @@ class TaskRunner:
         try:
             task, bad = self._task(d)
             if task is None:
-                await c.dead(d.entry_id, d.fields, bad, d.deliveries)
+                if self.shadow:  # the live group dead-letters it; the shadow only drops its copy
+                    await c.commit([(d, [])])
+                else:
+                    await c.dead(d.entry_id, d.fields, bad, d.deliveries)
                 return
             session = self.llm.session(task.msg_id, self.t.model)
             try:
@@ -177,21 +249,28 @@ class TaskRunner:
 
     async def _publish(self, c: Consumer, d: Delivery, task: Task, out: Outcome) -> None:
         """Trajectories + ack (+ retry copy or dead letter), in one atomic commit."""
-        retry = out.failed and task.attempt < self.t.max_retries
+        retry = out.failed and task.attempt < self.t.max_retries and not self.shadow
         meta = {"worker": self.name, "workflow": self.t.workflow, "reward_fn": self.t.reward,
-                "deliveries": d.deliveries, "pid": os.getpid(), "jet": jet.__version__}
+                "deliveries": d.deliveries, "pid": os.getpid(), "jet": jet.__version__,
+                "code_version": self.code, "host": socket.gethostname()}
+        if self.shadow:
+            meta["shadow"] = True
         try:
             outputs = self._trajectories(task, out, retry, meta)
         except CodecError as e:  # e.g. the samples exceed queues.max_entry_bytes: publish the failure
             out.fail(f"cannot publish the trajectory: {e}")
             out.info = {}
-            retry = task.attempt < self.t.max_retries
+            retry = task.attempt < self.t.max_retries and not self.shadow
             outputs = self._trajectories(task, out, retry, meta)
         if out.failed:
             log.warning("episode %s of %s (attempt %d) failed: %s", task.msg_id, task.task, task.attempt, out.error)
-            outputs.append(self._retry(task) if retry else self._dead_letter(c, d, task, out))
+            if not self.shadow:  # a shadow failure is recorded only: the live workers own retries
+                outputs.append(self._retry(task) if retry else self._dead_letter(c, d, task, out))
         await self._wait_for_room(c, [key for key, _ in outputs if key != c.stream])
         done = await c.commit([(d, outputs)])
+        if self.shadow:
+            await self._trim_shadow(c, {key for key, _ in outputs})
+            return
         if out.failed and not retry and done[0]:
             with translated(self.url):
                 await c.r.hincrby(self.keys.stats, "dead", 1)
@@ -199,7 +278,15 @@ class TaskRunner:
     def _trajectories(self, task: Task, out: Outcome, retry: bool, meta: dict) -> list[tuple[str, dict]]:
         trajs = trajectories(task, out, episode_id=task.msg_id, task_model=self.t.model,
                              trained=self.trained, retry=retry, meta=meta)
-        return [(self.keys.traj(t.model), t.to_fields(self.cfg.queues.max_entry_bytes)) for t in trajs]
+        stream = self.keys.shadow if self.shadow else self.keys.traj
+        return [(stream(t.model), t.to_fields(self.cfg.queues.max_entry_bytes)) for t in trajs]
+
+    async def _trim_shadow(self, c: Consumer, streams: set[str]) -> None:
+        """Shadow streams have no reader group: keep the newest `queues.maxlen.traj` entries."""
+        maxlen = self.cfg.queues.maxlen.get("traj", 10_000)
+        with translated(self.url):
+            for key in streams:
+                await c.r.xtrim(key, maxlen=maxlen, approximate=True)
 
     def _retry(self, task: Task) -> tuple[str, dict]:
         again = Task(task=task.task, row=task.row, group_id=task.group_id, index=task.index,
@@ -240,9 +327,9 @@ def _load(spec: str, key: str):
         raise ConfigError(f"{key}: cannot load {spec!r}: {type(e).__name__}: {e}") from e
 
 
-async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tasks: tuple[str, ...] = (),
+async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 0, tasks: tuple[str, ...] = (),
               drain_timeout_s: float = 30.0, request_timeout_s: float | None = None,
-              gateway_url: str | None = None) -> None:
+              gateway_url: str | None = None, shadow: bool = False) -> None:
     """Run episodes of the configured tasks until `stop`, then drain.
 
     `gateway_url`: the /v1 URL of a standalone `jet gateway` for OpenAI-SDK
@@ -252,9 +339,9 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tas
     if unknown or not chosen:
         raise ConfigError(f"--task: unknown task(s) {unknown}" if unknown else "tasks: none configured")
     for t in chosen:
-        if t.runtime.python and os.path.realpath(t.runtime.python) != os.path.realpath(sys.executable):
-            raise ConfigError(f"tasks.{t.name}.runtime.python: running workflows under another interpreter "
-                              "is not supported by this env worker; leave it unset")
+        if not same_python(t.runtime.python):
+            raise ConfigError(f"tasks.{t.name}.runtime.python: {t.runtime.python} is not this interpreter "
+                              f"({sys.executable}); start it with `jet worker env`, which runs it in its own process")
         if t.runtime.cwd and t.runtime.cwd not in sys.path:
             sys.path.insert(0, t.runtime.cwd)
     tokenizers = Tokenizers({m.name: m.path for m in cfg.models})
@@ -264,9 +351,17 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tas
     async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout,
                            gen_maxlen=cfg.queues.maxlen.get("gen", 10_000)) as llm:
         log.info("env worker slot %d: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
+        loaded: set[str] = set()
+
+        def ready(name: str) -> None:  # every task loaded: a rolling reload may drain the old workers
+            loaded.add(name)
+            if len(loaded) == len(chosen):
+                mark_ready()
+
         async with episode_gateway(cfg, url, llm, gateway_url) as gateway, anyio.create_task_group() as tg:
             for t in chosen:
-                tg.start_soon(TaskRunner(cfg, t, url, llm, slot, drain_timeout_s, gateway).run, stop)
+                tg.start_soon(TaskRunner(cfg, t, url, llm, slot, drain_timeout_s, gateway, shadow,
+                                         functools.partial(ready, t.name)).run, stop)
 
 
 @click.command("env")
@@ -282,11 +377,20 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int = 0, tas
 @click.option("--gateway-url", envvar=GATEWAY_URL_ENV, default=None, metavar="URL",
               help="Base URL (.../v1) of a standalone `jet gateway` for OpenAI-SDK agents "
                    "(default: one embedded in each worker, on loopback).")
+@click.option("--reload", is_flag=True,
+              help="Supervise even one process, so that SIGHUP rolls the workers onto new code "
+                   "(always so with -n > 1 or a task with its own runtime.python).")
+@click.option("--shadow", is_flag=True,
+              help="Shadow mode: see new tasks without taking them from the live workers; "
+                   "trajectories go to shadow:<model>, never to a trainer.")
+@click.option("--bank", type=click.IntRange(0, 1), default=0, hidden=True,
+              help="Generation bank set by the supervisor: bank 1 names its consumers <slot>.1.")
 @redis_url_option
-def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_url, redis_url) -> None:
+def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_url, reload, shadow, bank,
+        redis_url) -> None:
     """Run agent episodes of the configured tasks (tasks:<task> -> traj:<model>)."""
     from jet.config import REDIS_URL_ENV, load_file
-    from jet.workers.processes import run_until_signal, supervise
+    from jet.workers.processes import run_until_signal, supervise_children
 
     try:
         cfg = load_file(config_path, overrides)
@@ -296,18 +400,19 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
     if unknown:
         raise click.UsageError(f"--task: unknown task(s) {unknown}; configured: {[t.name for t in cfg.tasks]}")
     url = resolve_url(redis_url)
-    if processes > 1:
-        def argv_of(i: int) -> list[str]:
-            argv = [sys.executable, "-m", "jet.workers.env", "--config", config_path, "--slot", str(slot + i),
-                    "--drain-timeout", str(drain_timeout)]
-            return argv + [x for o in overrides for x in ("--set", o)] + [x for t in tasks for x in ("--task", t)]
-
+    chosen = [t for t in cfg.tasks if not tasks or t.name in tasks]
+    apart = [t for t in chosen if not same_python(t.runtime.python)]  # their own interpreter: own processes
+    if processes > 1 or reload or apart:
+        for t in apart:
+            check_runtime(t)
         os.environ[REDIS_URL_ENV] = url  # children inherit it; a password never shows in `ps`
         if gateway_url:
             os.environ[GATEWAY_URL_ENV] = gateway_url
-        raise SystemExit(supervise(argv_of, processes))
-    run_until_signal(lambda stop: run(cfg, url, stop, slot=slot, tasks=tasks, drain_timeout_s=drain_timeout,
-                                      gateway_url=gateway_url))
+        children = functools.partial(env_children, os.path.abspath(config_path), overrides, chosen, apart, processes,
+                                     slot, drain_timeout, shadow)
+        raise SystemExit(supervise_children(children, reload=True))
+    run_until_signal(lambda stop: run(cfg, url, stop, slot=slot if bank == 0 else f"{slot}.{bank}", tasks=tasks,
+                                      drain_timeout_s=drain_timeout, gateway_url=gateway_url, shadow=shadow))
 
 
 if __name__ == "__main__":

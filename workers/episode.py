@@ -13,6 +13,15 @@ THIS episode: the Outcome carries a one-line reason and the traceback. Only
 Redis trouble (`QueueError`) propagates: it is not the episode's fault, so the
 env worker gives the task back for another try instead of counting a failure.
 
+Code version (issue 6): `code_version` hashes the source of the workflow's and
+reward's modules (plus the .py files under `runtime.cwd`, when set) into a short
+sha256 that every Trajectory of the process carries as `meta["code_version"]`.
+It is computed once, when the worker loads the workflow: a process never
+re-imports, so new code means new processes (`jet worker env` reloads on SIGHUP
+by rolling replacement). Versions played against: each model's Trajectory
+records, in `meta["opponent_versions"]`, the sorted weight versions of the
+OTHER models' calls in the episode (`{"planner": [3, 4]}`), absent when none.
+
 Rewards: a number, or a dict agent name -> number. With a dict, each agent's
 calls are merged separately and get that agent's reward; every agent that made
 calls on a trained model needs an entry. Only models that are trained get
@@ -22,9 +31,12 @@ samples (a frozen judge's calls are context, not training data).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import inspect
 import math
+import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -60,6 +72,7 @@ class Outcome:
     error: str | None = None  # one line; set when the episode failed
     traceback: str | None = None
     duration_s: float = 0.0
+    versions: dict[str, list[int]] = field(default_factory=dict)  # model -> sorted weight versions of its calls
 
     @property
     def failed(self) -> bool:
@@ -159,6 +172,9 @@ async def play(task: Task, llm: Session, workflow: Callable, reward_fn: Callable
     except Exception as e:  # noqa: BLE001 - agent and reward code may raise anything: it fails the episode
         out.fail(f"{type(e).__name__}: {e}"[:500], traceback.format_exc()[-8000:])
     out.calls, out.info, out.duration_s = len(llm.calls), _jsonable(llm.info), time.monotonic() - start
+    for c in llm.calls:
+        out.versions.setdefault(c.model, []).append(c.version)
+    out.versions = {m: sorted(set(v)) for m, v in out.versions.items()}
     return out
 
 
@@ -178,5 +194,47 @@ def trajectories(task: Task, out: Outcome, *, episode_id: str, task_model: str, 
     return [Trajectory(task=task.task, group_id=task.group_id, index=task.index, episode_id=episode_id, model=m,
                        reward=out.reward if out.reward is not None else 0.0, samples=tuple(out.samples.get(m, ())),
                        group_size=task.group_size, attempt=task.attempt, failed=out.failed,
-                       retry=retry and out.failed, error=out.error, traceback=out.traceback, meta=meta)
+                       retry=retry and out.failed, error=out.error, traceback=out.traceback,
+                       meta=_with_opponents(meta, out.versions, m))
             for m in models]
+
+
+def _with_opponents(meta: dict[str, Any], versions: dict[str, list[int]], model: str) -> dict[str, Any]:
+    others = {m: v for m, v in sorted(versions.items()) if m != model}
+    return {**meta, "opponent_versions": others} if others else meta
+
+
+MAX_CWD_FILES = 2000  # .py files under runtime.cwd hashed into the code version, at most
+
+
+def code_version(functions: list[Callable | None], cwd: str | None = None) -> str:
+    """Short sha256 of the source files of the modules defining `functions` and of the .py
+    files under `cwd` (sorted, hidden dirs / __pycache__ / virtual envs skipped, first
+    MAX_CWD_FILES). Deterministic across hosts for the same files."""
+    files: dict[str, str] = {}
+    for fn in functions:
+        path = getattr(sys.modules.get(getattr(fn, "__module__", "") or ""), "__file__", None)
+        if fn is not None and path:
+            files[f"module:{fn.__module__}"] = path
+    if cwd:
+        for path in _py_files(cwd)[:MAX_CWD_FILES]:
+            files[f"cwd:{os.path.relpath(path, cwd)}"] = path
+    h = hashlib.sha256()
+    for name, path in sorted(files.items()):
+        try:
+            data = open(path, "rb").read()
+        except OSError:
+            data = b"<unreadable>"
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()[:12]
+
+
+def _py_files(root: str) -> list[str]:
+    out = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__"
+                         and not os.path.exists(os.path.join(d, x, "pyvenv.cfg")))
+        out += [os.path.join(d, n) for n in sorted(names) if n.endswith(".py")]
+        if len(out) >= MAX_CWD_FILES:
+            break
+    return sorted(out)

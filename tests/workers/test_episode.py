@@ -5,7 +5,7 @@ import pytest
 
 from jet.timeline import Call
 from jet.wire import Task
-from jet.workers.episode import Outcome, check_reward, merge, play, trajectories
+from jet.workers.episode import Outcome, check_reward, code_version, merge, play, trajectories
 
 
 def call(prompt, completion, model="m", agent="a"):
@@ -72,3 +72,49 @@ async def test_play_turns_exceptions_and_timeouts_into_failed_outcomes():
     out = await play(task, FakeSession(), lambda t, llm: 1, bad_reward, timeout_s=5, merge_mode="exact",
                      trained={"m"})
     assert out.failed and "finite number" in out.error
+
+
+@pytest.mark.anyio
+async def test_each_models_trajectory_records_the_versions_of_the_other_models_it_played_against():
+    class FakeSession:
+        episode_id, info = "ep", {}
+        calls = [Call([1, 2], [3], [-0.5], 4, "m", "a"), Call([5], [6], [-0.5], 3, "planner", "p"),
+                 Call([5, 6, 7], [8], [-0.5], 4, "planner", "p"), Call([1], [2], [-0.5], 0, "judge", "j")]
+
+    out = await play(Task("t", {}, "g"), FakeSession(), lambda t, llm: 1.0, None, timeout_s=5,
+                     merge_mode="exact", trained={"m", "planner"})
+    assert out.versions == {"m": [4], "planner": [3, 4], "judge": [0]}
+    by_model = {t.model: t for t in trajectories(Task("t", {}, "g"), out, episode_id="ep", task_model="m",
+                                                 trained={"m", "planner"}, retry=False, meta={})}
+    assert by_model["m"].meta["opponent_versions"] == {"judge": [0], "planner": [3, 4]}
+    assert by_model["planner"].meta["opponent_versions"] == {"judge": [0], "m": [4]}
+    alone = Outcome(reward=1.0, versions={"m": [1]})
+    [t] = trajectories(Task("t", {}, "g"), alone, episode_id="ep", task_model="m", trained={"m"}, retry=False,
+                       meta={})
+    assert "opponent_versions" not in t.meta
+
+
+def test_code_version_hashes_the_workflow_sources_and_the_runtime_cwd(tmp_path):
+    import importlib
+    import sys
+
+    (tmp_path / "cvflow.py").write_text("def wf(task, llm):\n    return 1.0\n")
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "ignored.py").write_text("Y = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        wf = importlib.import_module("cvflow").wf
+        a = code_version([wf, None])
+        assert a == code_version([wf, None]) and len(a) == 12
+        assert code_version([wf, None], str(tmp_path)) != a  # the helper counts under cwd
+        with_cwd = code_version([wf, None], str(tmp_path))
+        (tmp_path / ".venv" / "ignored.py").write_text("Y = 2\n")
+        assert code_version([wf, None], str(tmp_path)) == with_cwd
+        (tmp_path / "helper.py").write_text("X = 2\n")
+        assert code_version([wf, None], str(tmp_path)) != with_cwd
+        (tmp_path / "cvflow.py").write_text("def wf(task, llm):\n    return 2.0\n")
+        assert code_version([wf, None]) != a  # the module's file as it is now on disk
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("cvflow", None)
