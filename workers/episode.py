@@ -187,9 +187,10 @@ def _jsonable(info: dict) -> dict:
 
 def trajectories(task: Task, out: Outcome, *, episode_id: str, task_model: str, trained: set[str],
                  retry: bool, meta: dict[str, Any]) -> list[Trajectory]:
-    """One Trajectory per trained model that has samples, plus the task's model (if trained) always:
-    its trainer counts every member of a group, failed ones included."""
-    models = sorted(set(out.samples) | ({task_model} & trained))
+    """One Trajectory per trained model that has samples, plus, for every trained model the
+    episode called and the task's own model, one even without samples: each trainer counts
+    every member of a group, failed ones included (a team task's failure reaches both)."""
+    models = sorted(set(out.samples) | ({task_model, *out.versions} & trained))
     meta = {**meta, "info": out.info, "calls": out.calls, "duration_s": round(out.duration_s, 3)}
     return [Trajectory(task=task.task, group_id=task.group_id, index=task.index, episode_id=episode_id, model=m,
                        reward=out.reward if out.reward is not None else 0.0, samples=tuple(out.samples.get(m, ())),

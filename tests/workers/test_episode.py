@@ -118,3 +118,11 @@ def test_code_version_hashes_the_workflow_sources_and_the_runtime_cwd(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("cvflow", None)
+
+
+def test_a_failed_team_episode_reaches_every_trained_model_it_called():
+    bad = Outcome(versions={"proposer": [2], "solver": [5], "frozen": [0]})
+    bad.fail("ValueError: boom")
+    trajs = trajectories(Task("team", {}, "g"), bad, episode_id="ep", task_model="proposer",
+                         trained={"proposer", "solver"}, retry=False, meta={})
+    assert [(t.model, t.failed, t.samples) for t in trajs] == [("proposer", True, ()), ("solver", True, ())]
