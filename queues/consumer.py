@@ -97,6 +97,7 @@ class Consumer:
         self.inflight: dict[str, Delivery] = {}
         self.claimed: list[tuple[str, dict, int]] = []  # fed by the Reaper
         self._own_pending = True  # re-read our own PEL first, once per (re)start
+        self._own_from = "-"  # where the next page of that re-read starts (exclusive after the first)
         self._commit = self.r.register_script(scripts.COMMIT)
         self._dead = self.r.register_script(scripts.DEAD)
         self._lease = self.r.register_script(scripts.LEASE)
@@ -127,12 +128,17 @@ class Consumer:
 
     async def _own(self, count: int) -> list[tuple[str, dict, int]]:
         """Claim our own pending entries to ourselves: counts as a delivery (bumps the count)."""
-        pend = await self.r.xpending_range(self.stream, self.group, "-", "+", count, consumername=self.name)
         queued = {e[0] for e in self.claimed}
-        pend = [p for p in pend if _s(p["message_id"]) not in self.inflight and _s(p["message_id"]) not in queued]
-        if not pend:
-            self._own_pending = False
-            return []
+        while True:  # page through the whole PEL: entries already in hand are skipped, not the end
+            page = await self.r.xpending_range(self.stream, self.group, self._own_from, "+", count,
+                                               consumername=self.name)
+            if not page:
+                self._own_pending = False
+                return []
+            self._own_from = "(" + _s(page[-1]["message_id"])
+            pend = [p for p in page if _s(p["message_id"]) not in self.inflight and _s(p["message_id"]) not in queued]
+            if pend:
+                break
         ids = [p["message_id"] for p in pend]
         claimed = await self.r.xclaim(self.stream, self.group, self.name, 0, ids)
         counts = {_s(p["message_id"]): p["times_delivered"] + 1 for p in pend}
@@ -289,5 +295,5 @@ class Consumer:
         own pending entries are re-read before new ones."""
         self.inflight.clear()
         self.claimed.clear()
-        self._own_pending = True
+        self._own_pending, self._own_from = True, "-"
 

@@ -86,18 +86,10 @@ async def serve(c: Consumer, handle: Handler, stop: anyio.Event, *, drain_timeou
 
 
 async def _loop(c: Consumer, handle: Handler, stop: anyio.Event, drain_timeout_s: float) -> None:
-    """fetch -> handle -> commit, with each batch's commit overlapped with the next fetch:
-    both are network waits, so the client and the server work at the same time."""
-    done: tuple[list[Delivery], Sequence[Result]] | None = None
-    while not stop.is_set() or done:
-        batch: list[Delivery] = []
+    """Run the pipeline until `stop`; reconnect with backoff when the server goes away."""
+    while not stop.is_set():
         try:
-            async with anyio.create_task_group() as tg:
-                if done:
-                    tg.start_soon(_finish, c, *done)
-                done = None
-                if not stop.is_set():
-                    batch = await c.fetch()
+            await _pipeline(c, handle, stop, drain_timeout_s)
         except* ConnectError as eg:
             log.warning("%s; reconnecting", eg.exceptions[0])
             await anyio.sleep(0.5)
@@ -107,19 +99,55 @@ async def _loop(c: Consumer, handle: Handler, stop: anyio.Event, drain_timeout_s
             if not all("NOGROUP" in str(e) for e in eg.exceptions):
                 raise
             await c.ensure_group()  # the server lost its data: start the group again
-        if batch:
-            results = await _run_handler(batch, handle, stop, drain_timeout_s)
-            if results is not None:  # None: drain deadline hit mid-batch; it is released
-                done = (batch, results)
 
 
-async def _run_handler(batch: list[Delivery], handle: Handler, stop: anyio.Event,
-                       drain_timeout_s: float) -> Sequence[Result] | None:
+async def _pipeline(c: Consumer, handle: Handler, stop: anyio.Event, drain_timeout_s: float) -> None:
+    """A fetcher task reads (and decodes) up to two batches ahead while this task handles
+    and commits: the client and the server work at the same time. On `stop` the fetcher
+    ends and what it already fetched is still handled (drain); what a drain deadline
+    cuts short stays in flight and is released by `serve`."""
+    send, recv = anyio.create_memory_object_stream[list[Delivery]](1)
+    drain = _Drain(stop, drain_timeout_s)
+
+    async def fetcher() -> None:
+        async with send:
+            while not stop.is_set():
+                batch = await c.fetch()
+                if batch:
+                    try:
+                        await send.send(batch)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        return  # the handler side stopped; the batch stays in flight
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fetcher)
+        async with recv:
+            async for batch in recv:
+                results = await _run_handler(batch, handle, drain)
+                if results is None:  # drain deadline hit mid-batch
+                    break
+                await _finish(c, batch, results)
+
+
+class _Drain:
+    """One deadline for the whole drain, counted from the moment `stop` is set."""
+
+    def __init__(self, stop: anyio.Event, timeout_s: float):
+        self.stop, self.timeout_s, self.at = stop, timeout_s, None
+
+    async def expired(self) -> None:
+        await self.stop.wait()
+        if self.at is None:
+            self.at = anyio.current_time() + self.timeout_s
+        await anyio.sleep_until(self.at)
+
+
+async def _run_handler(batch: list[Delivery], handle: Handler, drain: _Drain) -> Sequence[Result] | None:
+    """The handler's results, or None when the drain deadline cut it short."""
     results: Sequence[Result] | None = None
     with anyio.CancelScope() as scope:
         async def deadline() -> None:
-            await stop.wait()
-            await anyio.sleep(drain_timeout_s)
+            await drain.expired()
             scope.cancel()
 
         async with anyio.create_task_group() as tg:

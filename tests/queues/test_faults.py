@@ -101,13 +101,15 @@ async def test_chaos_sigkill_and_restart_consumers(redis_url, keys):
 
 @pytest.mark.anyio
 async def test_sigterm_drains_and_exits_zero(redis_url, keys):
-    n = 40
+    n = 80
     await fill(redis_url, keys, n)
-    # Slow handler (1 s a batch of 10) and a short drain: SIGTERM mid-batch.
-    p = spawn(redis_url, keys.run, 0, "--sleep", "1.0", "--batch", "10", "--lease-ms", "60000", "--drain-s", "5")
+    # Slow handler (1 s a batch of 10), a 0.5 s drain: SIGTERM mid-batch, deadline mid-batch.
+    p = spawn(redis_url, keys.run, 0, "--sleep", "1.0", "--batch", "10", "--lease-ms", "60000", "--drain-s", "0.5")
     await anyio.sleep(1.5)
+    t = time.monotonic()
     p.send_signal(signal.SIGTERM)
     assert p.wait(20) == 0
+    assert time.monotonic() - t < 5  # the drain deadline holds for the whole drain
     r = await connect(redis_url)
     done = await r.xlen(keys.traj("dst"))
     assert 0 < done < n
