@@ -177,6 +177,11 @@ class TrainerConfig:
     clip_eps: float = 0.2
     # Weight of the KL penalty against the reference model; 0 = no reference model (dimensionless).
     kl_coef: float = 0.0
+    # 'ppo' clips the ratio against the behaviour policy; 'decoupled' clips against the current
+    # (proximal) policy and corrects staleness with a truncated importance weight (AReaL, arXiv:2505.24298).
+    objective: Literal["ppo", "decoupled"] = "ppo"
+    # Cap of the decoupled objective's importance weight current/behaviour (dimensionless, >= 1).
+    is_cap: float = 2.0
     # Advantage estimator: 'grpo' (mean/std in group), 'rloo' (leave-one-out), 'no_std' (mean only, Dr. GRPO).
     advantage: Literal["grpo", "rloo", "no_std"] = "grpo"
     # Loss aggregation: 'token_mean' over all tokens of the batch, 'seq_mean' per sequence then mean.
@@ -213,7 +218,7 @@ class TrainerConfig:
     mix_wait_s: float = 30.0
 
     def __post_init__(self):
-        positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps",
+        positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps", "is_cap",
                  "min_group_size", "group_timeout_s", "nproc", "lease_s", "keep_checkpoints")
         non_negative(self, "max_staleness", "checkpoint_every", "kl_coef", "grad_clip", "warmup_steps", "seed",
                      "weight_decay", "mix_wait_s")

@@ -11,7 +11,12 @@ merged and unmerged samples give the same values.
   that generated it (the inference worker's logprob) and advantage A:
       pg_t = -min(r A, clip(r, 1 - eps, 1 + eps) A)        (PPO, Schulman 2017)
       kl_t = exp(ref - logprob) - (ref - logprob) - 1      (k3, Schulman 2020)
-  and loss = sum_t w_t (pg_t + kl_coef * kl_t). The per-token weight w_t
+  and loss = sum_t w_t (pg_t + kl_coef * kl_t). With `decoupled=True` (for stale
+  samples; Fu et al. 2025, "AReaL", decoupled PPO) the ratio is taken against the
+  proximal policy, i.e. the current weights before this step (the trainer takes
+  one optimiser step per batch, so that is `logprob` detached), and staleness is
+  corrected by the truncated importance weight c = min(exp(prox - behaviour), cap):
+      pg_t = -c * min(r' A, clip(r', 1 - eps, 1 + eps) A),  r' = exp(logprob - prox) The per-token weight w_t
   carries the aggregation (`jet.trainer.batch`): 1 / (trained tokens of the
   step) for token_mean, 1 / (sequences * that sequence's tokens) for seq_mean.
 
@@ -95,6 +100,8 @@ def ppo_loss(
     clip_eps: float,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    decoupled: bool = False,
+    is_cap: float = 2.0,
 ) -> LossTerms:
     """Token-level clipped PPO objective with an optional k3 KL penalty; all inputs [B, L].
 
@@ -103,12 +110,16 @@ def ppo_loss(
     """
     trained = mask > 0
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = (logprobs - behaviour_logprobs).masked_fill(~trained, 0.0)
+    anchor = logprobs.detach() if decoupled else behaviour_logprobs
+    log_ratio = (logprobs - anchor).masked_fill(~trained, 0.0)
     ratio = torch.exp(log_ratio)
     adv = advantages.masked_fill(~trained, 0.0)
     w = weights.masked_fill(~trained, 0.0)
     clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if decoupled:
+        staleness_w = torch.exp(logprobs.detach() - behaviour_logprobs).clamp(max=is_cap)
+        pg = pg * staleness_w.masked_fill(~trained, 0.0)
     loss_t = pg
     kl_sum = zero
     if ref_logprobs is not None:

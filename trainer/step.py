@@ -88,4 +88,5 @@ def micro_batch(model, row: Row, inputs: StepInputs, cfg: TrainerConfig, ref_mod
             ref = row_logprobs(ref_model, row)
     adv, weights = inputs.token_values(row.seq)
     return ppo_loss(logprobs, row.behaviour_logprobs.to(device), adv.to(device), weights.to(device),
-                    row.loss_mask.to(device), cfg.clip_eps, ref, cfg.kl_coef)
+                    row.loss_mask.to(device), cfg.clip_eps, ref, cfg.kl_coef,
+                    decoupled=cfg.objective == "decoupled", is_cap=cfg.is_cap)

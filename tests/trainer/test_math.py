@@ -62,6 +62,22 @@ def test_ppo_loss_by_hand():
     assert lp.grad.tolist()[0] == pytest.approx([0.0, -1 / 3, 0.0, 0.0], abs=1e-6)
 
 
+def test_decoupled_ppo_loss_by_hand():
+    lp = torch.log(torch.tensor([[1.0, 0.5, 0.2, 0.4]])).requires_grad_(True)
+    behaviour = torch.log(torch.tensor([[1.0, 0.5, 0.1, 0.8]]))  # current/behaviour: 1, 1, 2, 0.5
+    adv = torch.tensor([[9.0, 1.0, 1.0, -1.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    w = torch.full((1, 4), 1 / 3)
+    t = ppo_loss(lp, behaviour, adv, w, mask, clip_eps=0.2, decoupled=True, is_cap=1.5)
+    # the ratio to the proximal (current) policy is 1: nothing is clipped; the staleness weights
+    # min(1, 1.5), min(2, 1.5) = 1.5, min(0.5, 1.5) scale each token: -1*1, -1*1.5, +1*0.5
+    close(t.loss.item(), (-1 - 1.5 + 0.5) / 3)
+    assert (t.tokens.item(), t.clipped.item()) == (3, 0)
+    t.loss.backward()
+    # d/d lp of -c r' A w with r' = exp(lp - lp.detach()) = 1: -c A w
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, -1 / 3, -1.5 / 3, 0.5 / 3], abs=1e-6)
+
+
 def test_k3_kl_and_the_kl_term_by_hand():
     lp = torch.log(torch.tensor([[1.0, 0.5, 0.2, 0.4]])).requires_grad_(True)
     ref = torch.log(torch.tensor([[1.0, 0.25, 0.2, 0.4]]))  # ref - lp = log 0.5 on token 1
