@@ -56,21 +56,28 @@ def score(guesses: list[int | None], secret: int, low: int, high: int) -> float:
     return 0.1 * valid / max(1, len(guesses))
 
 
-async def workflow(task: Task, llm: Any) -> float:
-    """Play one game against `llm` (a `jet.llm.Session`); return the reward."""
-    row = task.row
-    secret, low, high = int(row["secret"]), int(row.get("low", 1)), int(row.get("high", 10))
-    max_turns, max_tokens = int(row.get("max_turns", 4)), int(row.get("max_tokens", 8))
+async def play(llm: Any, secret: int, low: int, high: int, max_turns: int, max_tokens: int,
+               **chat: Any) -> list[int | None]:
+    """The game loop: the model guesses, the environment answers; returns the guesses."""
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Guess a number between {low} and {high}."}]
     guesses: list[int | None] = []
     for _ in range(max_turns):
-        reply = await llm.chat(messages, max_tokens=max_tokens)
+        reply = await llm.chat(messages, max_tokens=max_tokens, **chat)
         messages.append(reply)
         guesses.append(first_int(reply["content"]))
         said = feedback(guesses[-1], secret, low, high)
         if said is None:
             break
         messages.append({"role": "user", "content": said})
+    return guesses
+
+
+async def workflow(task: Task, llm: Any) -> float:
+    """Play one game against `llm` (a `jet.llm.Session`); return the reward."""
+    row = task.row
+    secret, low, high = int(row["secret"]), int(row.get("low", 1)), int(row.get("high", 10))
+    max_turns, max_tokens = int(row.get("max_turns", 4)), int(row.get("max_tokens", 8))
+    guesses = await play(llm, secret, low, high, max_turns, max_tokens)
     llm.info.update(solved=secret in guesses, turns=len(guesses), guesses=guesses)
     return score(guesses, secret, low, high)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from jet.tasks.guess import SYSTEM, feedback, first_int, score
+from jet.tasks.guess import SYSTEM, first_int, play, score
 from jet.wire import Task
 
 
@@ -51,17 +51,7 @@ async def workflow(task: Task, llm: Any) -> dict[str, float]:
     valid = proposed is not None and low <= proposed <= high
     secret = proposed if valid else int(row.get("secret", low))
 
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Guess a number between {low} and {high}."}]
-    guesses: list[int | None] = []
-    for _ in range(max_turns):
-        reply = await llm.chat(messages, model=solver, agent="solver", max_tokens=max_tokens)
-        messages.append(reply)
-        guesses.append(first_int(reply["content"]))
-        said = feedback(guesses[-1], secret, low, high)
-        if said is None:
-            break
-        messages.append({"role": "user", "content": said})
+    guesses = await play(llm, secret, low, high, max_turns, max_tokens, model=solver, agent="solver")
     solved = score(guesses, secret, low, high)
     llm.info.update(secret=secret, valid=valid, solved=secret in guesses, turns=len(guesses))
     return {"proposer": 0.5 + 0.5 * (1.0 - solved) if valid else 0.0, "solver": solved}
