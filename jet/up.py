@@ -191,7 +191,7 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
 
     env = {**os.environ, "JET_REDIS_URL": redis_url}
     sup = Supervisor(roles, env, run_path / "logs")
-    feed = Feeder(cfg, redis_url, backlog_per_weight=None)
+    feed = Feeder(cfg, redis_url)
     code = 0
     try:
         code = _run(cfg, sup, feed, episodes, no_live)

@@ -54,6 +54,19 @@ async def pending_count(r, keys: Keys) -> int:
     return groups[0]["pending"] if groups else 0
 
 
+async def finish_with(url: str, keys: Keys, n: int, slot: int, *args: str) -> list:
+    """A fresh consumer process on `slot` finishes the run: every input out once, none pending."""
+    q = spawn(url, keys.run, slot, *args)
+    try:
+        out, pending = await wait_outputs(url, keys, n, 30)
+    finally:
+        q.send_signal(signal.SIGTERM)
+        q.wait(20)
+    assert_exactly_once(out, n)
+    assert pending == 0
+    return out
+
+
 def assert_exactly_once(out, n):
     counts = Counter(p.meta["n"] for p in out)
     assert sorted(counts) == list(range(n)), "an input is missing from the output"
@@ -114,14 +127,7 @@ async def test_sigterm_drains_and_exits_zero(redis_url, keys):
     done = await r.xlen(keys.traj("dst"))
     assert 0 < done < n
     # What it did not finish was released (reclaimable now, despite the 60 s lease).
-    q = spawn(redis_url, keys.run, 1, "--lease-ms", "60000")
-    try:
-        out, pending = await wait_outputs(redis_url, keys, n, 30)
-    finally:
-        q.send_signal(signal.SIGTERM)
-        q.wait(20)
-    assert_exactly_once(out, n)
-    assert pending == 0
+    await finish_with(redis_url, keys, n, 1, "--lease-ms", "60000")
     await r.aclose()
 
 
@@ -137,14 +143,7 @@ async def test_sigkilled_consumer_restarted_under_same_name_finds_its_work(redis
             await anyio.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    q = spawn(redis_url, keys.run, 5, "--batch", "10", "--lease-ms", "600000")
-    try:
-        out, pending = await wait_outputs(redis_url, keys, n, 30)
-    finally:
-        q.send_signal(signal.SIGTERM)
-        q.wait(20)
-    assert_exactly_once(out, n)
-    assert pending == 0
+    out = await finish_with(redis_url, keys, n, 5, "--batch", "10", "--lease-ms", "600000")
     assert {p.meta["deliveries"] for p in out if p.meta["n"] < 10} == {2}
     await r.aclose()
 

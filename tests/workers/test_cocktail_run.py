@@ -18,19 +18,13 @@ import yaml
 
 from .conftest import MODEL, enqueue, trajectories, wait_for
 from .test_faults import ROOT, Procs
-from .test_runtime import FLOW, make_venv
+from .test_runtime import two_runtimes
 
 
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_cocktail_ratio_with_one_task_in_its_own_venv(redis_url, keys, tiny_model, tmp_path):
-    python = make_venv(tmp_path)
-    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
-    for d in (mine, theirs):
-        d.mkdir()
-        (d / "conflictflow.py").write_text(FLOW)
-    (mine / "jetconflict").mkdir()
-    (mine / "jetconflict" / "__init__.py").write_text('__version__ = "1.0"\n')
+    python, mine, theirs = two_runtimes(tmp_path)
     task = {"workflow": "conflictflow:flow", "dataset": "guess", "group_size": 2, "concurrency": 4,
             "episode_timeout_s": 60, "max_retries": 1}
     cfg = {"run": keys.run, "runs_dir": str(tmp_path / "runs"),

@@ -64,10 +64,9 @@ def make_venv(tmp_path):
     return python
 
 
-@pytest.mark.slow
-@pytest.mark.anyio
-async def test_a_task_runs_under_its_own_virtual_env_with_conflicting_dependencies(
-        redis_url, keys, tiny_model, procs, tmp_path):
+def two_runtimes(tmp_path):
+    """The new venv's python and two task folders holding the workflow: `mine` with its own
+    jetconflict 1.0 on the path, `theirs` relying on the venv's 2.0."""
     python = make_venv(tmp_path)
     mine, theirs = tmp_path / "mine", tmp_path / "theirs"
     for d in (mine, theirs):
@@ -75,6 +74,14 @@ async def test_a_task_runs_under_its_own_virtual_env_with_conflicting_dependenci
         (d / "conflictflow.py").write_text(FLOW)
     (mine / "jetconflict").mkdir()
     (mine / "jetconflict" / "__init__.py").write_text('__version__ = "1.0"\n')
+    return python, mine, theirs
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_task_runs_under_its_own_virtual_env_with_conflicting_dependencies(
+        redis_url, keys, tiny_model, procs, tmp_path):
+    python, mine, theirs = two_runtimes(tmp_path)
     with pytest.raises(subprocess.CalledProcessError):  # this env has no jetconflict of its own
         subprocess.run([sys.executable, "-c", "import jetconflict"], check=True, capture_output=True)
     task = {"workflow": "conflictflow:flow", "group_size": 1}
