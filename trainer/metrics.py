@@ -44,7 +44,8 @@ class Metrics:
         if resume_step is not None:
             self._truncate(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = _tensorboard(self.folder / "tensorboard")
+        # purge_step hides TensorBoard events of the lost steps, as _truncate drops their JSONL lines
+        self._tb = _tensorboard(self.folder / "tensorboard", None if resume_step is None else resume_step + 1)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
@@ -73,12 +74,12 @@ def _step_of(line: str) -> float:
         return math.inf  # a torn last line of a killed process
 
 
-def _tensorboard(folder: Path):
+def _tensorboard(folder: Path, purge_step: int | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
+    except ImportError:  # torch.utils.tensorboard needs the tensorboard package
         return None
-    return SummaryWriter(str(folder))
+    return SummaryWriter(str(folder), purge_step=purge_step)
 
 
 def read(path: Path) -> list[dict]:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from jet.trainer.cli import plot, train
@@ -58,3 +59,21 @@ def test_the_trainer_cli_starts_quickly_without_torch():
     code = "import sys, jet.trainer.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_tensorboard_mirrors_the_jsonl_and_hides_lost_steps_on_resume(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    m = Metrics(tmp_path)
+    for step in range(1, 6):
+        m.log(step, {"train/loss": 1.0 / step, "rollout/reward_mean": step / 10})
+    m.close()
+    m = Metrics(tmp_path, resume_step=3)  # steps 4 and 5 were lost with the process and are trained again
+    for step in (4, 5):
+        m.log(step, {"train/loss": 10.0 * step, "rollout/reward_mean": 1.0})
+    m.close()
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"train/loss", "rollout/reward_mean"}
+    loss = [(e.step, round(e.value, 6)) for e in acc.Scalars("train/loss")]
+    assert loss == [(1, 1.0), (2, 0.5), (3, round(1 / 3, 6)), (4, 40.0), (5, 50.0)]
+    assert [e.value for e in acc.Scalars("rollout/reward_mean")][3:] == [1.0, 1.0]
