@@ -76,6 +76,7 @@ def main(log_level: str) -> None:
         "queue": ("jet.bench.queue:cli", "Raw XADD rate vs the full consumer hop."),
         "merge": ("jet.bench.merge:cli", "Tokens and train time: none vs exact vs tree merging."),
         "async": ("jet.bench.async_:cli", "Trainer throughput: synchronous barrier vs bounded staleness."),
+        "staleness": ("jet.bench.staleness:cli", "Reward at equal steps on k-versions-old batches, per objective."),
     },
 )
 def bench() -> None:

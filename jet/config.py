@@ -177,9 +177,10 @@ class TrainerConfig:
     clip_eps: float = 0.2
     # Weight of the KL penalty against the reference model; 0 = no reference model (dimensionless).
     kl_coef: float = 0.0
-    # 'ppo' clips the ratio against the behaviour policy; 'decoupled' clips against the current
-    # (proximal) policy and corrects staleness with a truncated importance weight (AReaL, arXiv:2505.24298).
-    objective: Literal["ppo", "decoupled"] = "ppo"
+    # 'decoupled' clips the ratio against the current (proximal) policy and corrects staleness with a
+    # truncated importance weight (AReaL, arXiv:2505.24298); 'ppo' clips against the behaviour policy, which
+    # loses reward at equal steps on stale batches (`jet bench staleness`). Equal on fresh batches.
+    objective: Literal["ppo", "decoupled"] = "decoupled"
     # Cap of the decoupled objective's importance weight current/behaviour (dimensionless, >= 1).
     is_cap: float = 2.0
     # Advantage estimator: 'grpo' (mean/std in group), 'rloo' (leave-one-out), 'no_std' (mean only, Dr. GRPO).

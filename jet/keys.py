@@ -14,6 +14,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 # Consumer group names, one per role that reads a stream.
 GROUP_ENV = "env"
 GROUP_ENV_SHADOW = "env-shadow"  # shadow env workers: see every new task, never take one from `env`
+# Groups whose readers may miss entries: trimming (jet.queues.producer.safe_trim) does not wait for them.
+BEST_EFFORT_GROUPS = (GROUP_ENV_SHADOW,)
 GROUP_INFER = "infer"
 GROUP_TRAINER = "trainer"
 

@@ -3,7 +3,9 @@
 A stream is bounded by `maxlen`, but `PRODUCE` never drops: it adds what fits
 and the producer waits (trimming consumed entries safely first) for the rest.
 `safe_trim` never removes an entry still pending in, or not yet read by, any
-group (DESIGN.md delivery rule 4). With `dedup`, each message's id gets a
+group (DESIGN.md delivery rule 4) except the best-effort ones
+(`jet.keys.BEST_EFFORT_GROUPS`: shadow env workers, whose episodes are never
+trained). With `dedup`, each message's id gets a
 marker in the same Lua call, so a retried batch cannot add an entry twice.
 """
 
@@ -16,15 +18,20 @@ import anyio
 import redis.asyncio as aioredis
 
 from jet.errors import BackpressureTimeout
-from jet.keys import Keys
+from jet.keys import BEST_EFFORT_GROUPS, Keys
 from jet.queues import scripts
 from jet.queues.connect import translated
 
 
-async def safe_trim(r: aioredis.Redis, stream: str, url: str = "") -> int:
-    """Trim entries every group has read and acked; returns how many were removed."""
+async def safe_trim(r: aioredis.Redis, stream: str, url: str = "",
+                    best_effort: tuple[str, ...] = BEST_EFFORT_GROUPS) -> int:
+    """Trim entries every group has read and acked; returns how many were removed.
+
+    Groups named in `best_effort` (shadow env workers) are not waited for: a
+    stopped or SIGKILLed shadow worker must not hold the live pipeline back.
+    """
     with translated(url):
-        return int(await r.register_script(scripts.SAFE_TRIM)(keys=[stream]))
+        return int(await r.register_script(scripts.SAFE_TRIM)(keys=[stream], args=list(best_effort)))
 
 
 class Producer:

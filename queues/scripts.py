@@ -68,7 +68,8 @@ return lost
 # SAFE_MINID: the lowest id that no group still needs: the oldest pending id of
 # any group, or the id after a group's last-delivered id. Then XTRIM MINID to it.
 # Entries never delivered and entries still pending are never trimmed.
-# KEYS: stream. Returns the number of entries removed.
+# KEYS: stream. ARGV: best-effort groups, which never hold trimming back (a
+# stream with no other group is not trimmed). Returns the number of entries removed.
 SAFE_TRIM = """
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -82,19 +83,24 @@ end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
 if #groups == 0 then return 0 end
+local skip = {}
+for _, name in ipairs(ARGV) do skip[name] = true end
 local minid = nil
 for _, g in ipairs(groups) do
   local info = {}
   for j = 1, #g, 2 do info[g[j]] = g[j + 1] end
   local bound
-  if tonumber(info['pending']) > 0 then
+  if skip[info['name']] then
+    bound = nil
+  elseif tonumber(info['pending']) > 0 then
     bound = redis.call('XPENDING', KEYS[1], info['name'])[2]
   else
     local ms, seq = parse(info['last-delivered-id'])
     bound = string.format('%d-%d', ms, seq + 1)
   end
-  if minid == nil or less(bound, minid) then minid = bound end
+  if bound ~= nil and (minid == nil or less(bound, minid)) then minid = bound end
 end
+if minid == nil then return 0 end
 return redis.call('XTRIM', KEYS[1], 'MINID', '=', minid)
 """
 

@@ -53,13 +53,12 @@ Shadow mode (`--shadow`): the worker reads `tasks:<task>` in its own group
 it started, and takes none from group `env`), publishes its trajectories to
 `shadow:<model>` (no trainer reads it; trimmed to `queues.maxlen.traj`, oldest
 first) tagged `meta["shadow"] = True`, and never retries, dead-letters or
-re-enqueues a task: a failure is only recorded. A group holds back safe
-trimming of the tasks stream until it has read the entries, so on a clean exit
-the last shadow consumer deletes the group (XGROUP DELCONSUMER, then DESTROY
-when none are left). A SIGKILLed shadow worker leaves the group behind: its
-lag shows in `jet status`, and the enqueuer meets backpressure once the stream
-is full; delete it with `XGROUP DESTROY <tasks stream> env-shadow` (or start
-and stop a shadow worker).
+re-enqueues a task: a failure is only recorded. The shadow group is
+best-effort (`jet.keys.BEST_EFFORT_GROUPS`): safe trimming of the tasks stream
+does not wait for it, so a stopped or SIGKILLed shadow worker never holds the
+live workers back, and a shadow worker lagging a full stream behind misses
+the trimmed tasks. On a clean exit the last shadow consumer deletes the group
+(XGROUP DELCONSUMER, then DESTROY when none are left).
 
 What it is not: a sandbox. Workflows run in the worker's process.
 """
@@ -191,7 +190,7 @@ class TaskRunner:
 
     async def _leave_shadow_group(self, c: Consumer) -> None:
         """Delete this consumer (its released entries with it), and the group once no consumer is left,
-        so a stopped shadow worker never holds back trimming of the tasks stream."""
+        so stopped shadow workers leave nothing behind in `jet status`."""
         try:
             with translated(self.url):
                 await c.r.xgroup_delconsumer(c.stream, c.group, c.name)

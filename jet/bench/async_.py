@@ -24,6 +24,12 @@ dropped as stale, the mean training reward of the last steps, and the
 reward of the final weights on held-out prompts (256 samples). The ratio is
 async over sync. The goal: >= 1.5x the steps per minute with a final reward
 no worse than sync's (within two standard errors), at equal steps.
+
+Timing decides which trajectories each step trains on, so two runs of one
+seed differ, and at this learning rate they differ a lot. `--repeats N` runs
+N seeded pairs and judges the reward on the paired differences (async - sync,
+same seed): their mean must be above -2 standard errors of that mean.
+`jet bench staleness` measures the objective's side of it without timing.
 """
 
 from __future__ import annotations
@@ -90,13 +96,23 @@ def durations(seed: int, group: int, index: int, median_s: float, sigma: float) 
     return total * split, total * (1 - split)
 
 
+def trajectory(prompt: list[int], out, group: int, index: int, n: int, group_size: int):
+    """Member `index` of group `group` (episode `n`): one model call (a GenOutput), scored by `reward_of`."""
+    from jet.timeline import Call, merge_calls
+    from jet.wire import Trajectory
+
+    reward = reward_of(out.token_ids)
+    call = Call(prompt, out.token_ids, out.logprobs, out.version, MODEL, "main", out.finish_reason)
+    samples = merge_calls([call], "exact", episode_id=f"e{n}", reward=reward)
+    return Trajectory(task="bench", group_id=f"g{group}", index=index, episode_id=f"e{n}", model=MODEL,
+                      reward=reward, samples=tuple(samples), group_size=group_size)
+
+
 async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, stop: anyio.Event,
                    produced: list[int]) -> None:
     """The synthetic rollout fleet: `slots` concurrent episodes until `stop`."""
     from jet.queues.connect import connect
     from jet.queues.producer import Producer
-    from jet.timeline import Call, merge_calls
-    from jet.wire import Trajectory
     from jet.workers.hf_backend import HFBackend, SamplingParams
     from jet.workers.weights import WeightFollower
 
@@ -120,12 +136,7 @@ async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, st
             await anyio.sleep(after)
             if out.finish_reason == "error" or not out.token_ids:
                 continue
-            reward = reward_of(out.token_ids)
-            call = Call(prompt, out.token_ids, out.logprobs, out.version, MODEL, "main", out.finish_reason)
-            samples = merge_calls([call], "exact", episode_id=f"e{n}", reward=reward)
-            traj = Trajectory(task="bench", group_id=f"g{group}", index=index, episode_id=f"e{n}", model=MODEL,
-                              reward=reward, samples=tuple(samples), group_size=G)
-            await producer.send([traj.to_fields()])
+            await producer.send([trajectory(prompt, out, group, index, n, G).to_fields()])
             produced[0] += 1
 
     try:
@@ -221,55 +232,107 @@ def summarise(name: str, bound: int, run_dir: Path, produced: int, model_dir: Pa
         eval_reward=mean, eval_se=se)
 
 
-def evaluate(model_dir: Path, weights: Path | None, seed: int, prompts: int = 32, samples: int = 8):
-    """Mean reward (and its standard error) of 256 sampled completions on held-out prompts."""
-    from jet.workers.hf_backend import HFBackend, SamplingParams
+def evaluate(model_dir: Path, weights: Path | None, seed: int) -> tuple[float, float]:
+    """Mean reward (and its standard error) of the weights (None: the initial model) on held-out prompts."""
+    from jet.workers.hf_backend import HFBackend
 
     backend = HFBackend(model_dir)
     if weights is not None:
         backend.load_weights(weights)
+    return evaluate_backend(backend, seed)
+
+
+def evaluate_backend(backend, seed: int, prompts: int = 32, samples: int = 8) -> tuple[float, float]:
+    """Mean reward and standard error of 256 sampled completions (32 held-out prompts x 8) of a loaded backend."""
+    from jet.workers.hf_backend import SamplingParams
+
     batch = [prompt_of(seed + 1, 10_000 + g, backend.vocab_size) for g in range(prompts) for _ in range(samples)]
     params = [SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=i) for i in range(len(batch))]
     rewards = [reward_of(o.token_ids) for o in backend.generate(batch, params)]
     return statistics.fmean(rewards), statistics.stdev(rewards) / math.sqrt(len(rewards))
 
 
-async def measure(url: str, tmp: Path, p: dict, seed: int, say, max_staleness: int | None = None) -> dict:
+def tiny_model(folder: Path, seed: int) -> Path:
+    """The benchmark's random tiny Llama (vocab 512, 2 layers, hidden 32), one per seed."""
     from jet.models import init_model
 
-    model_dir = await anyio.to_thread.run_sync(lambda: init_model(tmp / MODEL, vocab_size=512, hidden_size=32,
-                                                                   layers=2, heads=4, kv_heads=2,
-                                                                   max_position=256, seed=seed))
+    return init_model(folder, vocab_size=512, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position=256,
+                      seed=seed)
+
+
+async def measure(url: str, tmp: Path, p: dict, seed: int, say, max_staleness: int | None = None) -> dict:
+    """One seeded pair: the same model, prompts and episode times, sync then async."""
+    model_dir = await anyio.to_thread.run_sync(tiny_model, tmp / f"{MODEL}{seed}", seed)
     initial, _ = evaluate(model_dir, None, seed)
     sync = await run_mode("sync", 0, url, tmp, model_dir, p, seed, say)
-    say(f"sync: {sync.steps} steps, {sync.steps_per_min:.1f} steps/min, busy {sync.busy_fraction:.2f}")
+    say(f"seed {seed} sync: {sync.steps} steps, {sync.steps_per_min:.1f} steps/min, busy {sync.busy_fraction:.2f}, "
+        f"eval reward {sync.eval_reward:.3f}")
     asyn = await run_mode("async", max_staleness, url, tmp, model_dir, p, seed, say)
-    say(f"async: {asyn.steps} steps, {asyn.steps_per_min:.1f} steps/min, busy {asyn.busy_fraction:.2f}")
-    ratio = asyn.steps_per_min / max(1e-9, sync.steps_per_min)
-    reward_ok = asyn.eval_reward >= sync.eval_reward - 2 * math.hypot(asyn.eval_se, sync.eval_se)
-    return {"workload": p, "initial_eval_reward": initial, "runs": [asdict(sync), asdict(asyn)],
-            "ratio_steps_per_min": ratio, "ratio_busy_fraction": asyn.busy_fraction / max(1e-9, sync.busy_fraction),
-            "goal": {"ratio": GOAL, "ratio_met": ratio >= GOAL, "reward_no_worse": reward_ok}}
+    say(f"seed {seed} async: {asyn.steps} steps, {asyn.steps_per_min:.1f} steps/min, busy {asyn.busy_fraction:.2f}, "
+        f"eval reward {asyn.eval_reward:.3f}")
+    return {"seed": seed, "initial_eval_reward": initial, "runs": [asdict(sync), asdict(asyn)],
+            "ratio_steps_per_min": asyn.steps_per_min / max(1e-9, sync.steps_per_min),
+            "ratio_busy_fraction": asyn.busy_fraction / max(1e-9, sync.busy_fraction)}
+
+
+def summarise_pairs(pairs: list[dict]) -> dict:
+    """Means over the seeded pairs, and the paired reward difference async - sync with its standard error.
+
+    With one pair the error is the two evaluations' sampling error; with several
+    it is the spread of the per-seed differences (stdev / sqrt(n)), which also
+    holds the run-to-run noise of training. "No worse" = the mean difference is
+    above -2 standard errors.
+    """
+    n = len(pairs)
+    diffs = [x["runs"][1]["eval_reward"] - x["runs"][0]["eval_reward"] for x in pairs]
+    if n == 1:
+        se = math.hypot(pairs[0]["runs"][0]["eval_se"], pairs[0]["runs"][1]["eval_se"])
+    else:
+        se = statistics.stdev(diffs) / math.sqrt(n)
+    modes = {}
+    for i, mode in enumerate(("sync", "async")):
+        rows = [x["runs"][i] for x in pairs]
+        modes[mode] = {k: statistics.fmean(r[k] for r in rows) for k in
+                       ("steps_per_min", "busy_fraction", "staleness_mean", "train_reward_last", "eval_reward")}
+        modes[mode]["stale_share"] = sum(r["stale"] for r in rows) / max(1, sum(r["produced"] for r in rows))
+    ratios = [x["ratio_steps_per_min"] for x in pairs]
+    return {"pairs": n, "modes": modes, "ratio_steps_per_min": statistics.fmean(ratios),
+            "ratio_min": min(ratios), "reward_diff": statistics.fmean(diffs), "reward_diff_se": se,
+            "initial_eval_reward": statistics.fmean(x["initial_eval_reward"] for x in pairs)}
+
+
+async def measure_all(url: str, tmp: Path, p: dict, seeds: list[int], say, max_staleness: int | None) -> dict:
+    pairs = [await measure(url, tmp, p, s, say, max_staleness) for s in seeds]
+    summary = summarise_pairs(pairs)
+    goal = {"ratio": GOAL, "ratio_met": summary["ratio_min"] >= GOAL,
+            "reward_no_worse": summary["reward_diff"] >= -2 * summary["reward_diff_se"]}
+    return {"workload": p, "seeds": seeds, "pairs": pairs, "summary": summary, "goal": goal}
 
 
 def render(report: dict):
     from rich.table import Table
 
-    table = Table(title=f"jet bench async ({report['workload']['steps']} steps each; "
-                        f"initial eval reward {report['initial_eval_reward']:.3f})")
-    cols = ("mode", "max_staleness", "steps/min", "busy", "stale dropped", "staleness", "reward (last 5)",
+    summary, g = report["summary"], report["goal"]
+    table = Table(title=f"jet bench async ({report['workload']['steps']} steps each, seeds {report['seeds']}; "
+                        f"initial eval reward {summary['initial_eval_reward']:.3f})")
+    cols = ("seed", "mode", "max_staleness", "steps/min", "busy", "stale dropped", "staleness", "reward (last 5)",
             "eval reward")
     for c in cols:
         table.add_column(c, justify="right")
-    for x in report["runs"]:
-        table.add_row(x["mode"], str(x["max_staleness"]), f"{x['steps_per_min']:.1f}", f"{x['busy_fraction']:.2f}",
-                      f"{x['stale']}/{x['produced']}", f"{x['staleness_mean']:.2f}", f"{x['train_reward_last']:.3f}",
-                      f"{x['eval_reward']:.3f} ± {x['eval_se']:.3f}")
-    g = report["goal"]
-    table.caption = (f"async / sync: {report['ratio_steps_per_min']:.2f}x steps/min "
-                     f"(goal >= {g['ratio']}: {'met' if g['ratio_met'] else 'NOT met'}), "
-                     f"{report['ratio_busy_fraction']:.2f}x busy fraction; final reward no worse: "
-                     f"{'yes' if g['reward_no_worse'] else 'NO'}")
+    for pair in report["pairs"]:
+        for x in pair["runs"]:
+            table.add_row(str(pair["seed"]), x["mode"], str(x["max_staleness"]), f"{x['steps_per_min']:.1f}",
+                          f"{x['busy_fraction']:.2f}", f"{x['stale']}/{x['produced']}", f"{x['staleness_mean']:.2f}",
+                          f"{x['train_reward_last']:.3f}", f"{x['eval_reward']:.3f} ± {x['eval_se']:.3f}")
+    if summary["pairs"] > 1:
+        for mode, m in summary["modes"].items():
+            table.add_row("mean", mode, "", f"{m['steps_per_min']:.1f}", f"{m['busy_fraction']:.2f}",
+                          f"{m['stale_share']:.0%}", f"{m['staleness_mean']:.2f}", f"{m['train_reward_last']:.3f}",
+                          f"{m['eval_reward']:.3f}")
+    table.caption = (f"async / sync: {summary['ratio_steps_per_min']:.2f}x steps/min (lowest {summary['ratio_min']:.2f}x; "
+                     f"goal >= {g['ratio']}: {'met' if g['ratio_met'] else 'NOT met'}); eval reward async - sync "
+                     f"{summary['reward_diff']:+.3f} ± {summary['reward_diff_se']:.3f} (SE over {summary['pairs']} "
+                     f"pair{'s' if summary['pairs'] > 1 else ''}); no worse: {'yes' if g['reward_no_worse'] else 'NO'}")
     return table
 
 
@@ -281,13 +344,15 @@ def render(report: dict):
 @click.option("--steps", type=click.IntRange(min=2), default=None, help=f"Steps per run (default {DEFAULTS['steps']}).")
 @click.option("--slots", type=click.IntRange(min=1), default=None, help="Concurrent synthetic episodes.")
 @click.option("--seed", default=0, show_default=True, help="Seed of prompts, episode times and the model.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Seeded pairs to run (seeds SEED..SEED+N-1); the reward verdict uses their spread.")
 @click.option("--max-staleness", type=click.IntRange(min=1), default=None,
               help="The async run's bound (default: trainer.max_staleness's default).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Config override for both runs' trainers, e.g. trainer.lr=3e-3.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="Keep both runs' folders (metrics, PNG plots, trainer logs) here.")
-def cli(redis_url, as_json, quick, steps, slots, seed, max_staleness, overrides, out_dir) -> None:
+def cli(redis_url, as_json, quick, steps, slots, seed, repeats, max_staleness, overrides, out_dir) -> None:
     """Trainer steps/min and busy fraction: synchronous barrier (max_staleness 0) vs the async default."""
     from jet.cliopts import run_jet
     from jet.queues.server import EmbeddedServer
@@ -301,16 +366,18 @@ def cli(redis_url, as_json, quick, steps, slots, seed, max_staleness, overrides,
         work.mkdir(parents=True, exist_ok=True)
         server = None if redis_url else EmbeddedServer(Path(tmp) / "server").start()
         try:
-            report = run_jet(measure, redis_url or server.url, work, p, seed, say, max_staleness)
+            report = run_jet(measure_all, redis_url or server.url, work, p, list(range(seed, seed + repeats)), say,
+                             max_staleness)
         finally:
             if server:
                 server.stop()
         if out_dir:
             from jet.trainer.metrics import find, plot
 
-            for r in report["runs"]:
-                for f in find(work / "runs" / r["run"]):
-                    say(f"plots of {r['mode']}: {', '.join(str(x) for x in plot(f))}")
+            for pair in report["pairs"]:
+                for r in pair["runs"]:
+                    for f in find(work / "runs" / r["run"]):
+                        say(f"plots of {r['mode']} (seed {pair['seed']}): {', '.join(str(x) for x in plot(f))}")
     report["cpus"] = os.cpu_count()
     if as_json:
         click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())

@@ -6,6 +6,7 @@ import time
 import anyio
 import pytest
 
+from jet.keys import GROUP_ENV, GROUP_ENV_SHADOW
 from jet.queues import codec
 from jet.queues.consumer import consumer_name
 from jet.queues.producer import Producer, safe_trim
@@ -151,6 +152,23 @@ async def test_rule4_trim_never_removes_pending_or_unread(redis_url, keys):
     await g1.r.xadd(keys.tasks("nogroup"), entry(1))
     assert await safe_trim(g1.r, keys.tasks("nogroup")) == 0  # nobody read it yet
     await close(g1), await close(g2)
+
+
+async def test_rule4_a_best_effort_group_never_holds_trimming_back(redis_url, keys):
+    src = keys.tasks("a")
+    live = await make_consumer(redis_url, keys, src, "x", group=GROUP_ENV, batch=100)
+    shadow = await make_consumer(redis_url, keys, src, "s", group=GROUP_ENV_SHADOW, batch=3)
+    for i in range(10):
+        await live.r.xadd(src, entry(i))
+    assert len(await shadow.fetch()) == 3  # then SIGKILLed: 3 pending, 7 never read, forever
+    assert await safe_trim(live.r, src) == 0  # the live group has read nothing yet
+    await live.commit([(d, []) for d in await live.fetch()])
+    assert await safe_trim(live.r, src, best_effort=()) == 0  # waited for, the shadow would hold all 10 back
+    assert await safe_trim(live.r, src) == 10
+    await live.r.xadd(src, entry(10))
+    await live.r.xgroup_destroy(src, GROUP_ENV)  # only the shadow group is left: nothing is trimmed
+    assert await safe_trim(live.r, src) == 0 and await live.r.xlen(src) == 1
+    await close(live), await close(shadow)
 
 
 async def test_rule4_full_stream_applies_backpressure_never_drops(redis_url, keys):
