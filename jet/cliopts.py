@@ -8,7 +8,6 @@ jet.queues.server). The run name from `--run`, else $JET_RUN, else `--config`'s
 
 from __future__ import annotations
 
-import os
 from typing import Any, Awaitable, Callable
 
 import click

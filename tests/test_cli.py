@@ -1,17 +1,14 @@
 """The `jet` CLI, through click's runner and as real subprocesses, against a real server."""
 
-import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import anyio
 import orjson
 from click.testing import CliRunner
 
 from jet.cli import main
-from jet.keys import Keys
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import Task

@@ -163,7 +163,7 @@ def test_workflow_and_reward_must_be_module_function():
     for bad in ("nocolon", "a:b:c", "a.:b", ":f", "a b:c"):
         data = minimal()
         data["tasks"][0]["workflow"] = bad
-        assert str(error(load, data)).startswith(f"tasks[0].workflow: expected 'module:function'"), bad
+        assert str(error(load, data)).startswith("tasks[0].workflow: expected 'module:function'"), bad
     data = minimal()
     data["tasks"][0]["reward"] = "rewards"
     assert str(error(load, data)).startswith("tasks[0].reward: expected 'module:function'")

@@ -88,7 +88,7 @@ class LossTerms:
     kl: torch.Tensor  # sum_t w_t kl_t (0 without a reference)
     tokens: torch.Tensor  # trained tokens
     clipped: torch.Tensor  # trained tokens whose clip was active (their pg gradient is 0)
-    ratio_max: torch.Tensor  # largest importance ratio over trained tokens (0 if none)
+    ratio_max: torch.Tensor  # largest ratio current/behaviour over trained tokens (0 if none), either objective
 
 
 def ppo_loss(
@@ -117,9 +117,10 @@ def ppo_loss(
     w = weights.masked_fill(~trained, 0.0)
     clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    behaviour_ratio = ratio.detach() if not decoupled else torch.exp(
+        (logprobs.detach() - behaviour_logprobs).masked_fill(~trained, 0.0))
     if decoupled:
-        staleness_w = torch.exp(logprobs.detach() - behaviour_logprobs).clamp(max=is_cap)
-        pg = pg * staleness_w.masked_fill(~trained, 0.0)
+        pg = pg * behaviour_ratio.clamp(max=is_cap).masked_fill(~trained, 0.0)
     loss_t = pg
     kl_sum = zero
     if ref_logprobs is not None:
@@ -133,5 +134,5 @@ def ppo_loss(
         kl=kl_sum,
         tokens=trained.sum().detach(),
         clipped=(active & trained).sum().detach(),
-        ratio_max=ratio.masked_fill(~trained, 0.0).max().detach() if trained.any() else zero,
+        ratio_max=behaviour_ratio.masked_fill(~trained, 0.0).max() if trained.any() else zero,
     )

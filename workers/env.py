@@ -48,17 +48,9 @@ PYTHONPATH, so the conflicting dependencies of the two stay apart. The
 supervisor checks `import jet.workers.env` under it before starting. A task
 with only `runtime.cwd` runs here with the directory put on sys.path.
 
-Shadow mode (`--shadow`): the worker reads `tasks:<task>` in its own group
-`env-shadow` (created at the stream's end: it sees every task enqueued after
-it started, and takes none from group `env`), publishes its trajectories to
-`shadow:<model>` (no trainer reads it; trimmed to `queues.maxlen.traj`, oldest
-first) tagged `meta["shadow"] = True`, and never retries, dead-letters or
-re-enqueues a task: a failure is only recorded. The shadow group is
-best-effort (`jet.keys.BEST_EFFORT_GROUPS`): safe trimming of the tasks stream
-does not wait for it, so a stopped or SIGKILLed shadow worker never holds the
-live workers back, and a shadow worker lagging a full stream behind misses
-the trimmed tasks. On a clean exit the last shadow consumer deletes the group
-(XGROUP DELCONSUMER, then DESTROY when none are left).
+Shadow mode (`--shadow`, `jet.workers.shadow`): the worker plays every new
+task in its own group `env-shadow`, publishes to `shadow:<model>` (no trainer
+reads it) and only records failures: no retry, dead letter or re-enqueue.
 
 What it is not: a sandbox. Workflows run in the worker's process.
 """
@@ -92,6 +84,7 @@ from jet.wire import Task
 from jet.workers.episode import Outcome, code_version, load_function, play, trajectories
 from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway
 from jet.workers.processes import mark_ready, queue_settings
+from jet.workers import shadow as shadow_mode
 from jet.workers.runtimes import check_runtime, env_children, same_python
 
 log = logging.getLogger(__name__)
@@ -148,7 +141,7 @@ class TaskRunner:
                 if c.inflight:  # drained or cancelled: give unfinished tasks back at once
                     await c.release()
                 if self.shadow and clean:
-                    await self._leave_shadow_group(c)
+                    await shadow_mode.leave_group(c, self.url)
                 await r.aclose()
                 await rb.aclose()
 
@@ -179,26 +172,7 @@ class TaskRunner:
 
     async def _ensure_group(self, c: Consumer) -> None:
         """The live group starts at the stream's beginning; a shadow group at its end (new tasks only)."""
-        if not self.shadow:
-            return await c.ensure_group()
-        with translated(self.url):
-            try:
-                await c.r.xgroup_create(c.stream, c.group, id="$", mkstream=True)
-            except Exception as e:  # noqa: BLE001 - translated below unless it is BUSYGROUP
-                if "BUSYGROUP" not in str(e):
-                    raise
-
-    async def _leave_shadow_group(self, c: Consumer) -> None:
-        """Delete this consumer (its released entries with it), and the group once no consumer is left,
-        so stopped shadow workers leave nothing behind in `jet status`."""
-        try:
-            with translated(self.url):
-                await c.r.xgroup_delconsumer(c.stream, c.group, c.name)
-                if not await c.r.xinfo_consumers(c.stream, c.group):
-                    await c.r.xgroup_destroy(c.stream, c.group)
-                    log.info("shadow group %s of %s deleted", c.group, self.keys.short(c.stream))
-        except QueueError as e:  # another shadow worker deleted it first, or Redis is gone
-            log.info("leaving shadow group %s: %s", c.group, e)
+        await (shadow_mode.ensure_group(c, self.url) if self.shadow else c.ensure_group())
 
     async def _wait_freed(self, timeout: float) -> None:
         with anyio.move_on_after(timeout):
@@ -268,7 +242,8 @@ class TaskRunner:
         await self._wait_for_room(c, [key for key, _ in outputs if key != c.stream])
         done = await c.commit([(d, outputs)])
         if self.shadow:
-            await self._trim_shadow(c, {key for key, _ in outputs})
+            await shadow_mode.trim_outputs(c, self.url, {key for key, _ in outputs},
+                                           self.cfg.queues.maxlen.get("traj", 10_000))
             return
         if out.failed and not retry and done[0]:
             with translated(self.url):
@@ -279,13 +254,6 @@ class TaskRunner:
                              trained=self.trained, retry=retry, meta=meta)
         stream = self.keys.shadow if self.shadow else self.keys.traj
         return [(stream(t.model), t.to_fields(self.cfg.queues.max_entry_bytes)) for t in trajs]
-
-    async def _trim_shadow(self, c: Consumer, streams: set[str]) -> None:
-        """Shadow streams have no reader group: keep the newest `queues.maxlen.traj` entries."""
-        maxlen = self.cfg.queues.maxlen.get("traj", 10_000)
-        with translated(self.url):
-            for key in streams:
-                await c.r.xtrim(key, maxlen=maxlen, approximate=True)
 
     def _retry(self, task: Task) -> tuple[str, dict]:
         again = Task(task=task.task, row=task.row, group_id=task.group_id, index=task.index,

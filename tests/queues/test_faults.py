@@ -1,7 +1,6 @@
 """Real faults: SIGKILLed consumer processes, SIGTERM drains, cancelled reads,
 and a server restart, each checked for exactly-once outputs and nothing pending."""
 
-import os
 import random
 import signal
 import subprocess

@@ -73,6 +73,7 @@ def test_decoupled_ppo_loss_by_hand():
     # min(1, 1.5), min(2, 1.5) = 1.5, min(0.5, 1.5) scale each token: -1*1, -1*1.5, +1*0.5
     close(t.loss.item(), (-1 - 1.5 + 0.5) / 3)
     assert (t.tokens.item(), t.clipped.item()) == (3, 0)
+    close(t.ratio_max.item(), 2.0, 1e-5)  # current/behaviour, before the cap: the staleness it saw
     t.loss.backward()
     # d/d lp of -c r' A w with r' = exp(lp - lp.detach()) = 1: -c A w
     assert lp.grad.tolist()[0] == pytest.approx([0.0, -1 / 3, -1.5 / 3, 0.5 / 3], abs=1e-6)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
-from pathlib import Path
 
 import anyio
 import pytest
