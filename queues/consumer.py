@@ -104,11 +104,14 @@ class Consumer:
 
     # -- setup ---------------------------------------------------------------
 
-    async def ensure_group(self) -> None:
-        """Create the group (and the stream) if missing; existing ones are left as they are."""
+    async def ensure_group(self, start: str = "0") -> None:
+        """Create the group (and the stream) if missing; existing ones are left as they are.
+
+        A new group reads from `start`: "0" = every entry in the stream, "$" = only entries added later.
+        """
         with translated(self.url):
             try:
-                await self.r.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+                await self.r.xgroup_create(self.stream, self.group, id=start, mkstream=True)
             except rex.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise

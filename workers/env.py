@@ -172,7 +172,7 @@ class TaskRunner:
 
     async def _ensure_group(self, c: Consumer) -> None:
         """The live group starts at the stream's beginning; a shadow group at its end (new tasks only)."""
-        await (shadow_mode.ensure_group(c, self.url) if self.shadow else c.ensure_group())
+        await c.ensure_group(shadow_mode.GROUP_START if self.shadow else "0")
 
     async def _wait_freed(self, timeout: float) -> None:
         with anyio.move_on_after(timeout):

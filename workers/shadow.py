@@ -1,11 +1,11 @@
 """Shadow mode of the env worker (`jet worker env --shadow`): its consumer group and its output streams.
 
-What it is: the three Redis steps that differ from a live env worker, used by
+What it is: the Redis steps that differ from a live env worker, used by
 `jet.workers.env.TaskRunner` when it runs in shadow mode:
 
-- `ensure_group`: the shadow group `env-shadow` on `tasks:<task>` is created
-  at the stream's END, so a shadow worker sees every task enqueued after it
-  started and takes none from the live group `env`;
+- `GROUP_START`: the shadow group `env-shadow` on `tasks:<task>` is created
+  at the stream's END ("$"), so a shadow worker sees every task enqueued after
+  it started and takes none from the live group `env`;
 - `trim_outputs`: its trajectories go to `shadow:<model>`, which no trainer
   reads (so no group acks them): each publish trims it to the newest
   `queues.maxlen.traj` entries;
@@ -32,15 +32,7 @@ from jet.queues.consumer import Consumer
 
 log = logging.getLogger(__name__)
 
-
-async def ensure_group(c: Consumer, url: str) -> None:
-    """Create the shadow group at the stream's end (new tasks only); an existing one is kept."""
-    with translated(url):
-        try:
-            await c.r.xgroup_create(c.stream, c.group, id="$", mkstream=True)
-        except Exception as e:  # noqa: BLE001 - translated below unless it is BUSYGROUP
-            if "BUSYGROUP" not in str(e):
-                raise
+GROUP_START = "$"  # `Consumer.ensure_group(start)` of the shadow group: new tasks only
 
 
 async def trim_outputs(c: Consumer, url: str, streams: set[str], maxlen: int) -> None:
