@@ -25,6 +25,28 @@ run_dir_option = click.option("--run-dir", default=".jet", show_default=True,
                               help="Where the embedded server keeps its data and server.json.")
 
 
+def config_options(reads: str):
+    """`--config` (default configs/default.yaml, or $JET_CONFIG) and repeatable `--set KEY=VALUE`;
+    `reads` names the sections the command uses, for the help text."""
+    def decorate(f):
+        f = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")(f)
+        return click.option("--config", "config_path", default="configs/default.yaml", show_default=True,
+                            envvar="JET_CONFIG", type=click.Path(dir_okay=False),
+                            help=f"Experiment config ({reads}).")(f)
+    return decorate
+
+
+def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()):
+    """The JetConfig at `path` with `overrides`; a bad one is a one-line CLI error naming the key."""
+    from jet.config import load_file
+    from jet.errors import ConfigError
+
+    try:
+        return load_file(path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
 def resolve_url(url: str | None, run_dir: str = ".jet") -> str:
     if url:
         return url

@@ -16,7 +16,7 @@ from typing import Iterator
 import click
 import orjson
 
-from jet.cliopts import redis_url_option, resolve_url, run_dir_option, run_jet, run_option, DEFAULT_RUN
+from jet.cliopts import DEFAULT_RUN, load_config, redis_url_option, resolve_url, run_dir_option, run_jet, run_option
 from jet.errors import ConfigError
 from jet.keys import Keys, check_name
 from jet.wire import Task
@@ -92,9 +92,7 @@ def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redi
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="TASK") from None
     if config_path:
-        from jet.config import load_file
-
-        cfg = load_file(config_path)
+        cfg = load_config(config_path)
         try:
             tc = cfg.task(task)
         except KeyError:

@@ -19,7 +19,7 @@ from typing import Any
 import anyio.from_thread
 import click
 
-from jet.cliopts import redis_url_option, resolve_url, run_dir_option
+from jet.cliopts import config_options, load_config, redis_url_option, resolve_url, run_dir_option
 from jet.config import JetConfig
 from jet.keys import GROUP_ENV, Keys
 from jet.wire import Task, Trajectory
@@ -148,9 +148,7 @@ class Feeder:
 
 
 @click.command("feed")
-@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
-              type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@config_options("tasks, queues, run")
 @click.option("--every", type=float, default=2.0, show_default=True, help="Seconds between top-ups.")
 @redis_url_option
 @run_dir_option
@@ -159,13 +157,7 @@ def cli(config_path, overrides, every, redis_url, run_dir) -> None:
     import signal
     import time
 
-    from jet.config import load_file
-    from jet.errors import ConfigError
-
-    try:
-        cfg = load_file(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    cfg = load_config(config_path, overrides)
     feed = Feeder(cfg, resolve_url(redis_url, run_dir))
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

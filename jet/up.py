@@ -26,6 +26,7 @@ from pathlib import Path
 
 import click
 
+from jet.cliopts import config_options, load_config
 from jet.config import JetConfig
 from jet.errors import ConfigError
 
@@ -148,9 +149,7 @@ def _progress_table(cfg: JetConfig, sup: Supervisor, feed, started: float):
 
 
 @click.command("up")
-@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
-              type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@config_options("all of it")
 @click.option("--steps", type=int, default=None, help="Optimiser steps to run (sets trainer.steps).")
 @click.option("--episodes", type=int, default=None,
               help="Stop after this many trajectories (useful without a trainer).")
@@ -161,13 +160,10 @@ def _progress_table(cfg: JetConfig, sup: Supervisor, feed, started: float):
 @click.option("--no-live", is_flag=True, help="Plain progress lines instead of a live table.")
 def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_run, no_live):
     """Run everything on this machine: embedded Redis, inference, env workers, trainer."""
-    from jet.config import load_file, write_resolved
+    from jet.config import write_resolved
 
     overrides = tuple(overrides) + ((f"trainer.steps={steps}",) if steps is not None else ())
-    try:
-        cfg = load_file(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    cfg = load_config(config_path, overrides)
     roles = roles_for(cfg, config_path, overrides, env_n)
     if dry_run:
         for r in roles:

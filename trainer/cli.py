@@ -18,8 +18,8 @@ import threading
 
 import click
 
-from jet.cliopts import redis_url_option, resolve_url
-from jet.errors import ConfigError, JetError
+from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.errors import JetError
 
 
 def _stop_on_signals() -> threading.Event:
@@ -48,9 +48,7 @@ def _trained_model(cfg, model: str | None) -> str:
 
 
 @click.command("train")
-@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
-              type=click.Path(dir_okay=False), help="Experiment config (models, trainer, run).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@config_options("models, trainer, run")
 @click.option("--model", default=None, help="Model to train (default: the only trainable one).")
 @click.option("--backend", type=click.Choice(["torch", "deepspeed"]), default=None,
               help="Overrides trainer.backend.")
@@ -59,12 +57,9 @@ def _trained_model(cfg, model: str | None) -> str:
 @redis_url_option
 def train(config_path, overrides, model, backend, nproc, device, redis_url) -> None:
     """Train a model on its trajectories (traj:<model>), publishing weights to weights:<model>."""
-    from jet.config import REDIS_URL_ENV, load_file
+    from jet.config import REDIS_URL_ENV
 
-    try:
-        cfg = load_file(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    cfg = load_config(config_path, overrides)
     model = _trained_model(cfg, model)
     backend = backend or cfg.trainer_of(model).backend
     nproc = nproc or cfg.trainer_of(model).nproc

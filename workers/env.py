@@ -69,7 +69,7 @@ import anyio
 import click
 
 import jet
-from jet.cliopts import redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
 from jet.config import JetConfig, TaskConfig
 from jet.errors import CodecError, ConfigError, ConnectError, QueueError
 from jet.keys import GROUP_ENV, GROUP_ENV_SHADOW, Keys
@@ -332,9 +332,7 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
 
 
 @click.command("env")
-@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
-              type=click.Path(dir_okay=False), help="Experiment config (tasks, models, queues, run).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@config_options("tasks, models, queues, run")
 @click.option("--task", "tasks", multiple=True, help="Run only these tasks (repeatable; default: all).")
 @click.option("-n", "processes", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
 @click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
@@ -356,13 +354,10 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
 def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_url, reload, shadow, bank,
         redis_url) -> None:
     """Run agent episodes of the configured tasks (tasks:<task> -> traj:<model>)."""
-    from jet.config import REDIS_URL_ENV, load_file
+    from jet.config import REDIS_URL_ENV
     from jet.workers.processes import run_until_signal, supervise_children
 
-    try:
-        cfg = load_file(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    cfg = load_config(config_path, overrides)
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
     if unknown:
         raise click.UsageError(f"--task: unknown task(s) {unknown}; configured: {[t.name for t in cfg.tasks]}")

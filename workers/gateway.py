@@ -55,9 +55,9 @@ import anyio
 import click
 import orjson
 
-from jet.cliopts import redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
 from jet.config import JetConfig
-from jet.errors import ConfigError, GenerationError, GenerationTimeout, JetError, QueueError
+from jet.errors import GenerationError, GenerationTimeout, JetError, QueueError
 from jet.keys import Keys
 from jet.llm import ChatCompletion, LLMClient, Session, Tokenizers, open_client
 from jet.queues.connect import connect, retry_forever
@@ -297,22 +297,16 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, host: str = "127.0
 
 
 @click.command("gateway")
-@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
-              type=click.Path(dir_okay=False), help="Experiment config (models, queues, run).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@config_options("models, queues, run")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; the default serves this machine only (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port (0: any free).")
 @redis_url_option
 def cli(config_path, overrides, host, port, redis_url) -> None:
     """OpenAI-compatible API (/v1/chat/completions, /v1/models) whose calls are recorded in their episodes."""
-    from jet.config import load_file
     from jet.workers.processes import run_until_signal
 
-    try:
-        cfg = load_file(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    cfg = load_config(config_path, overrides)
     if not cfg.models:
         raise click.ClickException(f"{config_path}: no models configured")
     url = resolve_url(redis_url)

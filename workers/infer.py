@@ -31,9 +31,9 @@ from typing import Any, Sequence
 import anyio
 import click
 
-from jet.cliopts import redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
 from jet.config import JetConfig
-from jet.errors import CodecError, ConfigError
+from jet.errors import CodecError
 from jet.keys import GROUP_INFER, Keys
 from jet.queues.connect import connect, retry_forever, translated
 from jet.queues.consumer import Consumer, Delivery, consumer_name
@@ -164,9 +164,7 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
 
 
 @click.command("infer")
-@click.option("--config", "config_path", default="configs/default.yaml", show_default=True, envvar="JET_CONFIG",
-              type=click.Path(dir_okay=False), help="Experiment config (models, queues, run).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@config_options("models, queues, run")
 @click.option("--model", default=None, help="Model to serve (default: the only configured one).")
 @click.option("--backend", type=click.Choice(["hf", "vllm"]), default=None, help="Overrides models[].backend.")
 @click.option("--device", default=None, help="Torch device; overrides models[].device.")
@@ -176,13 +174,10 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
 @redis_url_option
 def cli(config_path, overrides, model, backend, device, processes, slot, redis_url) -> None:
     """Serve generation requests of one model (gen:<model>) with the hf or vllm backend."""
-    from jet.config import REDIS_URL_ENV, load_file
+    from jet.config import REDIS_URL_ENV
     from jet.workers.processes import run_until_signal, supervise
 
-    try:
-        cfg = load_file(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    cfg = load_config(config_path, overrides)
     if model is None:
         if len(cfg.models) != 1:
             raise click.UsageError(f"--model is required: configured models are {[m.name for m in cfg.models]}")
