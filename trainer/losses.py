@@ -117,8 +117,7 @@ def ppo_loss(
     w = weights.masked_fill(~trained, 0.0)
     clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    behaviour_ratio = ratio.detach() if not decoupled else torch.exp(
-        (logprobs.detach() - behaviour_logprobs).masked_fill(~trained, 0.0))
+    behaviour_ratio = torch.exp((logprobs.detach() - behaviour_logprobs).masked_fill(~trained, 0.0))
     if decoupled:
         pg = pg * behaviour_ratio.clamp(max=is_cap).masked_fill(~trained, 0.0)
     loss_t = pg

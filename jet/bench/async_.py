@@ -48,9 +48,9 @@ from pathlib import Path
 
 import anyio
 import click
-import orjson
 import yaml
 
+from jet.bench import emit
 from jet.keys import GROUP_TRAINER, Keys
 
 MODEL = "tiny"
@@ -379,11 +379,4 @@ def cli(redis_url, as_json, quick, steps, slots, seed, repeats, max_staleness, o
                     for f in find(work / "runs" / r["run"]):
                         say(f"plots of {r['mode']} (seed {pair['seed']}): {', '.join(str(x) for x in plot(f))}")
     report["cpus"] = os.cpu_count()
-    if as_json:
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-        return
-    from rich.console import Console
-
-    console = Console()
-    console.width = max(console.width, 120)
-    console.print(render(report))
+    emit(report, as_json, render)

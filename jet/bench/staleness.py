@@ -31,15 +31,15 @@ import tempfile
 from pathlib import Path
 
 import click
-import orjson
 
+from jet.bench import emit
 from jet.bench.async_ import COMPLETION, LR, evaluate_backend, prompt_of, tiny_model, trajectory
 
 DEFAULTS = {"steps": 30, "group_size": 4, "batch_groups": 4}
 QUICK = {"steps": 4, "group_size": 2, "batch_groups": 2}
 
 
-def train(model_dir: Path, seed: int, k: int, objective: str, p: dict, spread: bool, lr: float = LR) -> float:
+def train(model_dir: Path, seed: int, k: int, objective: str, p: dict, spread: bool) -> float:
     """Train `p["steps"]` steps on batches generated `k` versions back; returns the final eval reward."""
     import torch
 
@@ -49,7 +49,7 @@ def train(model_dir: Path, seed: int, k: int, objective: str, p: dict, spread: b
     from jet.trainer.packing import pack
     from jet.workers.hf_backend import HFBackend, SamplingParams
 
-    cfg = TrainerConfig(lr=lr, batch_groups=p["batch_groups"], micro_batch_tokens=1024, objective=objective, seed=0)
+    cfg = TrainerConfig(lr=LR, batch_groups=p["batch_groups"], micro_batch_tokens=1024, objective=objective, seed=0)
     torch.manual_seed(seed)
     engine = TorchBackend(str(model_dir), cfg)
     sampler = HFBackend(model_dir)
@@ -69,13 +69,15 @@ def train(model_dir: Path, seed: int, k: int, objective: str, p: dict, spread: b
             outs = sampler.generate([prompt] * G, params)
             groups.append([trajectory(prompt, out, group, i, group * G + i, G) for i, out in enumerate(outs)])
         inputs = build_step(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg)
-        engine.train_step(pack(inputs.samples, cfg.micro_batch_tokens), inputs, lr)
+        engine.train_step(pack(inputs.samples, cfg.micro_batch_tokens), inputs, LR)
         history.append(copy.deepcopy(engine.model.state_dict()))
     sampler.model.load_state_dict(history[-1])
     return evaluate_backend(sampler, seed)[0]
 
 
 def measure(p: dict, seeds: list[int], ks: list[int], objectives: list[str], spread: bool, say) -> dict:
+    """Every (objective, k) on every seed; k = 0 is always run, as every row's paired baseline."""
+    ks = sorted(set(ks) | {0})
     rewards: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="jet-bench-staleness-") as tmp:
         for seed in seeds:
@@ -87,11 +89,9 @@ def measure(p: dict, seeds: list[int], ks: list[int], objectives: list[str], spr
                     say(f"seed {seed} {objective} k={k}: eval reward {r:.3f}")
     rows = []
     for (objective, k), rs in rewards.items():
-        base = rewards.get((objective, 0))
-        diffs = [a - b for a, b in zip(rs, base)] if base else []
+        diffs = [a - b for a, b in zip(rs, rewards[(objective, 0)])]
         rows.append({"objective": objective, "staleness": k, "eval_reward": statistics.fmean(rs),
-                     "eval_rewards": rs,
-                     "diff_vs_0": statistics.fmean(diffs) if diffs else None,
+                     "eval_rewards": rs, "diff_vs_0": statistics.fmean(diffs),
                      "diff_se": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None})
     return {"workload": p, "seeds": seeds, "spread": spread, "rows": rows}
 
@@ -105,7 +105,7 @@ def render(report: dict):
     for c in ("objective", "k", "eval reward (mean)", "vs k=0 (paired)", "per seed"):
         table.add_column(c, justify="right")
     for r in report["rows"]:
-        diff = "" if r["diff_vs_0"] is None or r["staleness"] == 0 else (
+        diff = "" if r["staleness"] == 0 else (
             f"{r['diff_vs_0']:+.3f}" + (f" ± {r['diff_se']:.3f}" if r["diff_se"] is not None else ""))
         table.add_row(r["objective"], str(r["staleness"]), f"{r['eval_reward']:.3f}", diff,
                       " ".join(f"{x:.2f}" for x in r["eval_rewards"]))
@@ -139,13 +139,5 @@ def cli(as_json, quick, steps, seeds, ks, objectives, spread) -> None:
     if steps is not None:
         p["steps"] = steps
     say = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
-    ks = sorted(set(ks) | {0})  # k = 0 is every row's baseline
     report = measure(p, list(range(seeds)), ks, list(objectives), spread, say)
-    if as_json:
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-        return
-    from rich.console import Console
-
-    console = Console()
-    console.width = max(console.width, 120)
-    console.print(render(report))
+    emit(report, as_json, render)
