@@ -1,7 +1,14 @@
-"""Fixtures of the worker tests: a tiny model, configs, enqueueing and reading trajectories back."""
+"""Fixtures of the worker tests: a tiny model, configs, enqueueing and reading trajectories back, and
+worker processes (`procs`) whose logs a failing test's report shows."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -59,3 +66,55 @@ async def wait_for(predicate, timeout: float, every: float = 0.1):
         while not (value := await predicate()):
             await anyio.sleep(every)
     return value
+
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = socket.gethostname()
+
+
+class Procs:
+    """Worker processes of one test, each logging to a file shown when the test fails."""
+
+    def __init__(self, cfg_path: Path, url: str, logs: Path):
+        self.cfg_path, self.url, self.logs, self.all = cfg_path, url, logs, []
+
+    def start(self, role: str, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "JET_REDIS_URL": self.url, "OMP_NUM_THREADS": "1", "JET_LOG_LEVEL": "INFO"}
+        log = open(self.logs / f"{role}-{len(self.all)}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", f"jet.workers.{role}", "--config", str(self.cfg_path), *args],
+                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.all.append(p)
+        return p
+
+    def kill_all(self) -> None:
+        for p in self.all:
+            if p.poll() is None:  # a -n supervisor forwards SIGTERM; twice: its children exit at once
+                p.send_signal(signal.SIGTERM)
+                time.sleep(0.2)
+                p.send_signal(signal.SIGTERM)
+        for p in self.all:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def dump(self) -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.logs.glob("*.log")))
+
+
+@pytest.fixture
+def procs(tmp_path, redis_url):
+    p = Procs(tmp_path / "c.yaml", redis_url, tmp_path)
+    yield p
+    p.kill_all()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that started worker processes (`procs`) shows their logs in its report."""
+    outcome = yield
+    report = outcome.get_result()
+    procs = getattr(item, "funcargs", {}).get("procs")
+    if report.when == "call" and report.failed and isinstance(procs, Procs):
+        report.sections.append(("worker logs", procs.dump()))

@@ -16,8 +16,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from .conftest import MODEL, enqueue, trajectories, wait_for
-from .test_faults import ROOT, Procs
+from .conftest import MODEL, ROOT, Procs, enqueue, trajectories, wait_for
 from .test_runtime import two_runtimes
 
 

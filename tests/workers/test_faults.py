@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,48 +11,7 @@ import pytest
 
 from jet.queues.connect import connect
 
-from .conftest import MODEL, enqueue, trajectories, wait_for, write_config
-
-ROOT = Path(__file__).resolve().parents[2]
-HOST = socket.gethostname()
-
-
-class Procs:
-    """Worker processes of one test, each logging to a file shown when the test fails."""
-
-    def __init__(self, cfg_path: Path, url: str, logs: Path):
-        self.cfg_path, self.url, self.logs, self.all = cfg_path, url, logs, []
-
-    def start(self, role: str, *args: str) -> subprocess.Popen:
-        env = {**os.environ, "JET_REDIS_URL": self.url, "OMP_NUM_THREADS": "1", "JET_LOG_LEVEL": "INFO"}
-        log = open(self.logs / f"{role}-{len(self.all)}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", f"jet.workers.{role}", "--config", str(self.cfg_path), *args],
-                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.all.append(p)
-        return p
-
-    def kill_all(self) -> None:
-        for p in self.all:
-            if p.poll() is None:  # a -n supervisor forwards SIGTERM; twice: its children exit at once
-                p.send_signal(signal.SIGTERM)
-                time.sleep(0.2)
-                p.send_signal(signal.SIGTERM)
-        for p in self.all:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def dump(self) -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.logs.glob("*.log")))
-
-
-@pytest.fixture
-def procs(tmp_path, redis_url):
-    p = Procs(tmp_path / "c.yaml", redis_url, tmp_path)
-    yield p
-    p.kill_all()
+from .conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
 
 
 async def pending_of(r, stream: str, group: str, consumer: str) -> list[str]:
@@ -89,11 +44,7 @@ async def test_sigkilled_inference_worker_mid_batch_loses_no_episode(redis_url, 
     requests = {i.decode(): f for i, f in await r.xrange(keys.gen(MODEL))}
     killed = [requests[i][b"i"].decode() for i in in_flight]
     procs.start("infer", "--slot", "1")
-    try:
-        trajs = await wait_for(lambda: _at_least(redis_url, keys, 12), timeout=90)
-    except TimeoutError:
-        print(procs.dump())
-        raise
+    trajs = await wait_for(lambda: _at_least(redis_url, keys, 12), timeout=90)
     assert_each_member_once(trajs, 6, 2)
     assert all(t.meta["calls"] == 3 for t in trajs)
     # The killed batch was reclaimed and answered by the other worker (its markers are set).
@@ -117,11 +68,7 @@ async def test_sigkilled_env_worker_tasks_are_rerun_elsewhere(redis_url, keys, t
     a.wait()
     rerun = {f[b"i"].decode() for i, f in await r.xrange(keys.tasks("chat")) if i.decode() in taken}
     procs.start("env", "--slot", "1")
-    try:
-        trajs = await wait_for(lambda: _at_least(redis_url, keys, 4), timeout=90)
-    except TimeoutError:
-        print(procs.dump())
-        raise
+    trajs = await wait_for(lambda: _at_least(redis_url, keys, 4), timeout=90)
     assert_each_member_once(trajs, 2, 2)
     assert taken and len(rerun) == len(taken) and {t.meta["worker"] for t in trajs} == {b_name}
     assert all(t.meta["deliveries"] >= 2 for t in trajs if t.episode_id in rerun)

@@ -20,8 +20,8 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import Trajectory
 
-from .conftest import MODEL, enqueue, wait_for, write_config
-from .test_faults import HOST, Procs, children
+from .conftest import HOST, MODEL, enqueue, wait_for, write_config
+from .test_faults import children
 
 DRAIN_S = 10.0
 
@@ -37,13 +37,6 @@ async def flow(task, llm):
     llm.info["flow"] = VERSION
     return 1.0
 '''
-
-
-@pytest.fixture
-def procs(tmp_path, redis_url):
-    p = Procs(tmp_path / "c.yaml", redis_url, tmp_path)
-    yield p
-    p.kill_all()
 
 
 async def stamped(url, keys, stream) -> list[tuple[int, Trajectory]]:
@@ -83,18 +76,14 @@ async def test_sighup_rolls_env_workers_onto_new_code_without_losing_or_repeatin
         return got if sum(1 for _, t in got if t.meta["info"].get("flow") == flow) >= n else None
 
     stop = anyio.Event()
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(feed, stop)
-            await wait_for(lambda: with_code("old", 4), timeout=90)
-            src.write_text(FLOW.format(version="new, longer"))
-            env.send_signal(signal.SIGHUP)
-            await wait_for(lambda: with_code("new, longer", 6), timeout=60)
-            stop.set()
-        await wait_for(lambda: _all_done(redis_url, keys, len(sent)), timeout=60)
-    except TimeoutError:
-        print(procs.dump())
-        raise
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(feed, stop)
+        await wait_for(lambda: with_code("old", 4), timeout=90)
+        src.write_text(FLOW.format(version="new, longer"))
+        env.send_signal(signal.SIGHUP)
+        await wait_for(lambda: with_code("new, longer", 6), timeout=60)
+        stop.set()
+    await wait_for(lambda: _all_done(redis_url, keys, len(sent)), timeout=60)
     await wait_for(lambda: _n_children(env.pid, 2), timeout=30)  # the old generation has exited
     env.send_signal(signal.SIGTERM)
     assert env.wait(40) == 0, procs.dump()

@@ -18,8 +18,7 @@ from collections import Counter
 
 import pytest
 
-from .conftest import enqueue, trajectories, wait_for, write_config
-from .test_faults import HOST, Procs
+from .conftest import HOST, enqueue, trajectories, wait_for, write_config
 
 FLOW = '''
 import sys
@@ -32,13 +31,6 @@ async def flow(task, llm):
     llm.info.update(jetconflict=jetconflict.__version__, python=sys.executable)
     return 1.0
 '''
-
-
-@pytest.fixture
-def procs(tmp_path, redis_url):
-    p = Procs(tmp_path / "c.yaml", redis_url, tmp_path)
-    yield p
-    p.kill_all()
 
 
 def make_venv(tmp_path):
@@ -92,11 +84,7 @@ async def test_a_task_runs_under_its_own_virtual_env_with_conflicting_dependenci
     await enqueue(keys=keys, url=redis_url, task="theirs", rows=[{}] * 3, group_size=1)
     procs.start("infer")
     env = procs.start("env")
-    try:
-        trajs = await wait_for(lambda: _at_least(redis_url, keys, 6, env), timeout=90)
-    except TimeoutError:
-        print(procs.dump())
-        raise
+    trajs = await wait_for(lambda: _at_least(redis_url, keys, 6, env), timeout=90)
     assert not [t.error for t in trajs if t.failed], procs.dump()
     by_task = Counter((t.task, t.meta["info"]["jetconflict"], t.meta["info"]["python"], t.meta["worker"])
                       for t in trajs)

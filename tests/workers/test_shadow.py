@@ -20,15 +20,7 @@ from jet.queues import admin, codec
 from jet.queues.connect import connect
 from jet.wire import Trajectory
 
-from .conftest import MODEL, enqueue, trajectories, wait_for, write_config
-from .test_faults import HOST, Procs
-
-
-@pytest.fixture
-def procs(tmp_path, redis_url):
-    p = Procs(tmp_path / "c.yaml", redis_url, tmp_path)
-    yield p
-    p.kill_all()
+from .conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
 
 
 async def groups_of(r, stream: str) -> set[str]:
@@ -53,17 +45,13 @@ async def test_shadow_worker_records_every_task_without_taking_any_from_the_live
     procs.start("env", "--slot", "0")
     shadow = procs.start("env", "--shadow")
     stream = keys.tasks("chat")
-    try:
-        await wait_for(lambda: _has_group(r, stream, GROUP_ENV_SHADOW), timeout=60)
-        rows = [{"turns": 1, "max_tokens": 3}] * 5 + [{"turns": 2, "boom": True}]
-        await enqueue(redis_url, keys, "chat", rows, group_size=1)
-        # 6 tasks + the live workers' retry copy of the failing one: 7 episodes on each side.
-        await wait_for(lambda: _n(trajectories(redis_url, keys), 7), timeout=90)
-        await wait_for(lambda: _n(shadow_trajs(r, keys), 7), timeout=60)
-        report = await admin.report(r, keys, redis_url)
-    except TimeoutError:
-        print(procs.dump())
-        raise
+    await wait_for(lambda: _has_group(r, stream, GROUP_ENV_SHADOW), timeout=60)
+    rows = [{"turns": 1, "max_tokens": 3}] * 5 + [{"turns": 2, "boom": True}]
+    await enqueue(redis_url, keys, "chat", rows, group_size=1)
+    # 6 tasks + the live workers' retry copy of the failing one: 7 episodes on each side.
+    await wait_for(lambda: _n(trajectories(redis_url, keys), 7), timeout=90)
+    await wait_for(lambda: _n(shadow_trajs(r, keys), 7), timeout=60)
+    report = await admin.report(r, keys, redis_url)
     live, shadowed = await trajectories(redis_url, keys), await shadow_trajs(r, keys)
     # Live: every task once, the failing one retried then dead-lettered, nothing from the shadow.
     assert {t.meta["worker"] for t in live} == {f"{HOST}-env-chat-0"}
