@@ -60,6 +60,18 @@ def last_step(cfg) -> int:
     return max((r["step"] for r in read(path)), default=0) if path.is_file() else 0
 
 
+def signal_at_step(config: Path, url: str, log: Path, cfg, step: int, sig: int, wait_s: float) -> int:
+    """Start a trainer, send it `sig` once its metrics reach `step` (it then waits for data); its exit status."""
+    proc = start_trainer(config, url, log)
+    try:
+        wait_until(lambda: last_step(cfg) >= step, 120, proc, log)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        return proc.wait(wait_s)
+    finally:
+        proc.kill()
+
+
 def check_exactly_once(cfg, url, keys, produced: list, trainable_msgs: set[str]) -> list[dict]:
     """The ledger decides every produced entry once (the stream itself is trimmed once acked)."""
     ledger = Checkpoints(trainer_dir(cfg)).consumed()
@@ -83,28 +95,14 @@ def test_sigkill_then_sigterm_lose_no_trajectory_and_train_none_twice(tiny_model
     # 1. four steps' worth; SIGKILL once step 4 is done (checkpoint at 3) and the trainer waits for more
     first = [t for g in range(8) for t in synthetic_group(f"a{g}", 2, rng)]
     produce_sync(redis_url, keys, first)
-    proc = start_trainer(config, redis_url, log)
-    try:
-        wait_until(lambda: last_step(cfg) >= 4, 120, proc, log)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        proc.kill()
+    signal_at_step(config, redis_url, log, cfg, 4, signal.SIGKILL, 10)
     assert ckpts.steps()[-1] == 3
     assert anyio.run(stream_state, redis_url, keys)["pending"] == 4, "step 4's trajectories stay pending"
 
     # 2. one more step's worth: the restart redoes step 4, does 5, waits; SIGTERM drains with a checkpoint
     second = [t for g in range(2) for t in synthetic_group(f"b{g}", 2, rng)]
     produce_sync(redis_url, keys, second)
-    proc = start_trainer(config, redis_url, log)
-    try:
-        wait_until(lambda: last_step(cfg) >= 5, 120, proc, log)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, log.read_text()[-3000:]
-    finally:
-        proc.kill()
+    assert signal_at_step(config, redis_url, log, cfg, 5, signal.SIGTERM, 60) == 0, log.read_text()[-3000:]
     assert ckpts.steps()[-1] == 5, "SIGTERM writes a checkpoint"
     assert anyio.run(stream_state, redis_url, keys)["pending"] == 0, "and acks what it covers"
 
