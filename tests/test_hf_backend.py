@@ -1,6 +1,5 @@
 """jet.workers.hf_backend: batched KV-cache sampling, logprobs, stops, errors, weight loading."""
 
-import hashlib
 import json
 import shutil
 
@@ -11,6 +10,8 @@ from safetensors.torch import load_file, save_file
 from jet.errors import WeightsError
 from jet.models import init_model
 from jet.workers.hf_backend import GenOutput, HFBackend, SamplingParams, _sample
+
+from .weights import perturbed_weights
 
 CONTEXT = 64
 PROMPTS = [[5, 6, 7], list(range(40, 51)), list(range(100, 125)), [300, 301, 302, 303, 304, 305, 306]]
@@ -132,20 +133,11 @@ def test_max_tokens_is_clipped_to_the_context_left(backend):
     assert backend.context_length == CONTEXT
 
 
-def _perturbed(model_dir, dest):
-    state = load_file(model_dir / "model.safetensors")
-    gen = torch.Generator().manual_seed(0)
-    state = {k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    dest.mkdir(parents=True)
-    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest / "model.safetensors", hashlib.sha256((dest / "model.safetensors").read_bytes()).hexdigest()
-
-
 def test_load_weights_checks_hash_and_changes_outputs(model_dir, tmp_path):
     live = HFBackend(model_dir)
     prompt, greedy = [[21, 22, 23]], [SamplingParams(temperature=0, max_tokens=10)]
     before = live.generate(prompt, greedy)[0]
-    file, digest = _perturbed(model_dir, tmp_path / "weights" / "v7")
+    file, digest = perturbed_weights(model_dir, tmp_path / "weights" / "v7", seed=0, scale=0.5)
 
     with pytest.raises(WeightsError, match="sha256"):
         live.load_weights(file, sha256="0" * 64)

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import time
 
 import anyio
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from jet.errors import GenerationError, GenerationTimeout
 from jet.llm import Tokenizers, open_client
@@ -20,6 +18,7 @@ from jet.queues.connect import connect
 from jet.wire import GenRequest, GenResult, WeightVersion
 from jet.workers import infer
 
+from ..weights import perturbed_weights
 from .conftest import MODEL, wait_for, write_config
 from .test_e2e import assert_logprobs_match_a_forward_pass, load_model
 
@@ -121,19 +120,10 @@ async def test_client_errors_timeouts_and_retries(redis_url, keys, cfg, tiny_mod
         await r.aclose()
 
 
-def perturbed_weights(model_dir, dest):
-    state = load_file(model_dir / "model.safetensors")
-    gen = torch.Generator().manual_seed(1)
-    state = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-    dest.mkdir(parents=True)
-    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
-    return hashlib.sha256((dest / "model.safetensors").read_bytes()).hexdigest()
-
-
 @pytest.mark.anyio
 async def test_new_weights_are_followed_between_batches(redis_url, keys, cfg, tiny_model, tmp_path):
     v3 = tmp_path / "weights" / MODEL / "v3"
-    digest = perturbed_weights(tiny_model, v3)
+    _, digest = perturbed_weights(tiny_model, v3, seed=1, scale=0.3)
     r = await connect(redis_url)
     async with open_client(redis_url, keys, Tokenizers({MODEL: str(tiny_model)}), timeout_s=30) as client:
         llm = client.session("ep", MODEL)
