@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ import anyio
 import click
 import yaml
 
-from jet.bench import emit
+from jet.bench import emit, progress, redis_url_option, server_url
 from jet.keys import GROUP_TRAINER, Keys
 
 MODEL = "tiny"
@@ -337,8 +336,7 @@ def render(report: dict):
 
 
 @click.command("async")
-@click.option("--redis-url", envvar="JET_REDIS_URL", default=None,
-              help="Server to use. Default: $JET_REDIS_URL, else a fresh embedded one in a temp dir.")
+@redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--quick", is_flag=True, help="A few steps of a small workload (for tests); its numbers mean little.")
 @click.option("--steps", type=click.IntRange(min=2), default=None, help=f"Steps per run (default {DEFAULTS['steps']}).")
@@ -355,22 +353,15 @@ def render(report: dict):
 def cli(redis_url, as_json, quick, steps, slots, seed, repeats, max_staleness, overrides, out_dir) -> None:
     """Trainer steps/min and busy fraction: synchronous barrier (max_staleness 0) vs the async default."""
     from jet.cliopts import run_jet
-    from jet.queues.server import EmbeddedServer
 
     p = dict(QUICK if quick else DEFAULTS, overrides=list(overrides))
     p.update({k: v for k, v in {"steps": steps, "slots": slots}.items() if v is not None})
-    t0 = time.monotonic()
-    say = (lambda s: None) if as_json else (lambda s: click.echo(f"[{time.monotonic() - t0:5.1f}s] {s}", err=True))
+    say = progress(as_json)
     with tempfile.TemporaryDirectory(prefix="jet-bench-async-") as tmp:
         work = Path(out_dir) if out_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        server = None if redis_url else EmbeddedServer(Path(tmp) / "server").start()
-        try:
-            report = run_jet(measure_all, redis_url or server.url, work, p, list(range(seed, seed + repeats)), say,
-                             max_staleness)
-        finally:
-            if server:
-                server.stop()
+        with server_url(redis_url, Path(tmp) / "server") as url:
+            report = run_jet(measure_all, url, work, p, list(range(seed, seed + repeats)), say, max_staleness)
         if out_dir:
             from jet.trainer.metrics import find, plot
 

@@ -34,6 +34,7 @@ import anyio
 import click
 import orjson
 
+from jet.bench import progress, redis_url_option, server_url
 from jet.cliopts import run_jet
 from jet.errors import QueueError
 from jet.keys import Keys
@@ -278,8 +279,7 @@ def render(rows: list[Row], header: str):
 
 
 @click.command("queue")
-@click.option("--redis-url", envvar="JET_REDIS_URL", default=None,
-              help="Server to measure. Default: $JET_REDIS_URL, else a fresh embedded one (AOF on) in a temp dir.")
+@redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--quick", is_flag=True, help=f"Small N ({QUICK_N['100B']} / {QUICK_N['40KB']}) for tests; its numbers mean little.")
 @click.option("--n-small", type=int, default=None, help=f"Messages of 100 B (default {DEFAULT_N['100B']}).")
@@ -294,28 +294,20 @@ def render(rows: list[Row], header: str):
 @click.option("--profile", default=None, hidden=True, help="cProfile each worker to PREFIX.<run>.<slot>.")
 def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, batch_large, repeat, profile):
     """Raw pipelined XADD rate vs the full consumer hop (read, decode, handle, ack+produce)."""
-    from jet.queues.server import EmbeddedServer
-
     base = QUICK_N if quick else DEFAULT_N
     ns = {"100B": n_small or base["100B"], "40KB": n_large or base["40KB"]}
     counts = [int(x) for x in consumers.split(",") if x.strip()]
     batch = {"100B": batch_small, "40KB": batch_large}
-    t0 = time.monotonic()
-    say = (lambda s: None) if as_json else (lambda s: click.echo(f"[{time.monotonic() - t0:5.1f}s] {s}", err=True))
-    with tempfile.TemporaryDirectory(prefix="jet-bench-") as tmp:
-        server = None if redis_url else EmbeddedServer(Path(tmp) / "server").start()
-        url = redis_url or server.url
-        try:
-            version = run_jet(server_version, url)
-            rows = run_jet(measure, url, ns, counts, batch, repeat or (1 if quick else 2), Path(tmp), profile, say)
-        finally:
-            if server:
-                server.stop()
-    header = f"{'embedded ' if server else ''}{version}, {os.cpu_count()} CPUs"
+    say = progress(as_json)
+    with tempfile.TemporaryDirectory(prefix="jet-bench-") as tmp, server_url(redis_url, Path(tmp) / "server") as url:
+        version = run_jet(server_version, url)
+        rows = run_jet(measure, url, ns, counts, batch, repeat or (1 if quick else 2), Path(tmp), profile, say)
+    embedded = not redis_url
+    header = f"{'embedded ' if embedded else ''}{version}, {os.cpu_count()} CPUs"
     if as_json:
         goals = {label: {"goal": g, "met": all(x.met for x in rows if x.payload == label and x.mode == "hop")}
                  for label, g in GOALS.items()}
-        click.echo(orjson.dumps({"server": {"version": version, "embedded": server is not None},
+        click.echo(orjson.dumps({"server": {"version": version, "embedded": embedded},
                                  "cpus": os.cpu_count(), "batch": batch, "rows": [asdict(x) for x in rows],
                                  "goals": goals}).decode())
         return

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import click
 
-from jet.bench import emit
+from jet.bench import emit, progress
 from jet.bench.async_ import COMPLETION, LR, evaluate_backend, prompt_of, tiny_model, trajectory
 
 DEFAULTS = {"steps": 30, "group_size": 4, "batch_groups": 4}
@@ -138,6 +138,6 @@ def cli(as_json, quick, steps, seeds, ks, objectives, spread) -> None:
     p = dict(QUICK if quick else DEFAULTS)
     if steps is not None:
         p["steps"] = steps
-    say = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
+    say = progress(as_json)
     report = measure(p, list(range(seeds)), ks, list(objectives), spread, say)
     emit(report, as_json, render)
