@@ -1,0 +1,58 @@
+"""`jet study status`: a study's progress at a glance, from its durable state.
+
+Arms (params, state, runs running / finished / failed, mean summary), the
+runs in flight with their latest trainer step, the best arm so far, the stage
+and the budget left (runs, wall time, planner tokens), and whether a runner
+holds the study now.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jet.study import analysis
+from jet.study.analysis import fmt
+from jet.study.messages import COUNTED
+
+
+async def table(runner):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    s, b = runner.study, runner.study.budget
+    sums = runner.summaries()
+    alive = await runner_alive(runner)
+    t = Table(title=f"study {s.name}: stage {runner.stage()}, "
+                    f"{'runner live' if alive else 'no runner'}" + (f", ended: {runner.ended}" if runner.ended else ""))
+    for c in ("arm", "params", "state", "running", "finished", "failed", "mean summary", "seeds"):
+        t.add_column(c, justify="right" if c not in ("params", "state") else "left")
+    running = {req.trial: 0 for req in runner.launched.values()}
+    for run in runner.in_flight():
+        running[runner.launched[run].trial] = running.get(runner.launched[run].trial, 0) + 1
+    for n, a in sorted(sums.items()):
+        state = "pruned" if f"pruned:{n}" in runner.marks else "failed" if f"failed:{n}" in runner.marks else a.state
+        done = sum(c for k, c in a.statuses.items() if k in COUNTED)
+        bad = sum(c for k, c in a.statuses.items() if k not in COUNTED)
+        t.add_row(str(n), a.label, state, str(running.get(n, 0)), str(done), str(bad), fmt(a.mean()), str(len(a.values)))
+    flight = Table(title="runs in flight")
+    for c in ("run", "step", "of", "metric (last)"):
+        flight.add_column(c)
+    for run in runner.in_flight():
+        curve = runner.curves.get(run, {})
+        last = max(curve) if curve else 0
+        flight.add_row(run, str(last), str(runner.launched[run].steps), fmt(curve.get(last)) if curve else "-")
+    best = analysis.leaders(s, sums, set(), 1)
+    used = time.time() - runner.started
+    tokens = int(await runner.r.hget(runner.keys.study_state, "planner_tokens") or 0)
+    lines = [t, flight,
+             Text(f"best so far: " + (f"arm {best[0]} ({sums[best[0]].label}), mean {fmt(sums[best[0]].mean(0))}"
+                                     if best else "none yet")),
+             Text(f"budget left: {b.max_runs - len(runner.launched)} of {b.max_runs} runs, "
+                  f"{max(0.0, b.max_wall_hours - used / 3600):.2f} of {b.max_wall_hours} h, "
+                  f"{b.max_planner_tokens - tokens} of {b.max_planner_tokens} planner tokens")]
+    return Group(*lines)
+
+
+async def runner_alive(runner) -> bool:
+    return bool(await runner.r.exists(runner.keys.study_runner))
