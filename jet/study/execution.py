@@ -41,7 +41,7 @@ from jet.study import ledger
 from jet.study.keeper import EXIT_NO_LEASE
 from jet.study.messages import Progress, RunRequest, RunResult
 
-POLL_S = 1.0
+POLL_S = 0.5
 _RESUMED = re.compile(r"resumed \S+ from .* \(step (\d+)")
 
 
@@ -117,7 +117,7 @@ def classify(code: int | None, rows: list[dict], req: RunRequest, stop: str | No
              log_tail: str) -> tuple[str, str]:
     """(status, reason) of a run attempt that ended; status 'retry' = an infrastructure crash."""
     last = int(rows[-1]["step"]) if rows else 0
-    if stop:
+    if stop and not (code == 0 and last >= req.steps):  # a stop that came after the last step changes nothing
         kind = stop.split(":", 1)[0]
         return {"prune": "pruned", "budget": "stopped", "cancel": "cancelled"}.get(kind, "stopped"), stop
     if timed_out:
