@@ -124,7 +124,8 @@ def study_state(url: str, study: str) -> dict:
                 progress.setdefault(p.run, []).append(p.step)
             return {"launched": await ledger.launched(r, url, keys),
                     "results": [x for _, x in await ledger.results(r, url, keys)],
-                    "runs_added": int((await r.xinfo_stream(keys.study_runs))["entries-added"]),
+                    "runs_added": int((await r.xinfo_stream(keys.study_runs))["entries-added"])
+                    if await r.exists(keys.study_runs) else 0,
                     "progress": progress, "stops": await ledger.stops(r, url, keys)}
         finally:
             await r.aclose()
