@@ -147,7 +147,7 @@ class LLMPlanner:
                     messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}])
         except openai.OpenAIError as e:
             await self._spend(runner, estimate)
-            decide(f"llm:{call}", "planner_refused", why=f"the endpoint failed ({type(e).__name__}: {e}); "
+            decide(f"llm:{call}", "planner_refused", tokens=estimate, why=f"the endpoint failed ({type(e).__name__}: {e}); "
                    "the default sampler plans")
             return []
         usage = getattr(reply, "usage", None)
