@@ -51,7 +51,7 @@ from jet.chat import Conversations, Message, Template
 from jet.errors import CodecError, ConnectError, GenerationError, GenerationTimeout, JetError
 from jet.keys import Keys
 from jet.queues import codec
-from jet.queues.connect import connect, translated
+from jet.queues.connect import connect, retry_forever, translated
 from jet.queues.producer import Producer
 from jet.timeline import Call
 from jet.wire import GenRequest, GenResult
@@ -119,8 +119,10 @@ class LLMClient:
 
     # -- lifecycle (use `open_client`) -----------------------------------------
 
-    async def _open(self) -> None:
-        self.r = await connect(self.url, name=f"jet-llm-{self.id}")
+    async def _open(self, stop: anyio.Event | None = None) -> None:
+        """Connect (waiting for the server with backoff; `stop` ends the wait with `Stopped`)."""
+        self.r = await retry_forever(lambda: connect(self.url, name=f"jet-llm-{self.id}"), url=self.url,
+                                     what="llm client: connect", stop=stop)
         self.rb = await connect(self.url, block_ms=self.block_ms, name=f"jet-llm-read-{self.id}")
         self._last = "0-0"
         await self._ensure_stream()
@@ -227,10 +229,11 @@ def _entry_order(entry_id: str | bytes) -> tuple[int, int]:
 
 
 @contextlib.asynccontextmanager
-async def open_client(url: str, keys: Keys, tokenizers: Tokenizers, **kwargs) -> AsyncIterator[LLMClient]:
+async def open_client(url: str, keys: Keys, tokenizers: Tokenizers, *, stop: anyio.Event | None = None,
+                      **kwargs) -> AsyncIterator[LLMClient]:
     """An LLMClient with its reply reader running; closed (reply stream deleted) on exit."""
     client = LLMClient(url, keys, tokenizers, **kwargs)
-    await client._open()
+    await client._open(stop)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client._read_replies)

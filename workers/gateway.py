@@ -278,12 +278,12 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, host: str = "127.0
     tokenizers = Tokenizers({m.name: m.path for m in cfg.models})
     for m in cfg.models:  # load now, not under the first requests' timeouts
         await anyio.to_thread.run_sync(tokenizers.get, m.name)
-    r = await retry_forever(lambda: connect(url, name="jet-gateway"), url=url, what="connect")
+    r = await retry_forever(lambda: connect(url, name="jet-gateway"), url=url, what="connect", stop=stop)
     try:
         signer = Signer(await load_secret(r, keys, url), cfg.run)
         timeout = max(30.0, 3 * cfg.queues.lease_ms / 1000)
         async with open_client(url, keys, tokenizers, timeout_s=timeout,
-                               gen_maxlen=cfg.queues.maxlen.get("gen", 10_000)) as llm:
+                               gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
             app = make_app(RecordingSessions(llm, r, keys, url), signer, [m.name for m in cfg.models])
             async with serving(app, host, port) as base_url:
                 log.info("gateway of run %r serving on %s", cfg.run, base_url)
@@ -304,15 +304,15 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, host: str = "127.0
 @redis_url_option
 def cli(config_path, overrides, host, port, redis_url) -> None:
     """OpenAI-compatible API (/v1/chat/completions, /v1/models) whose calls are recorded in their episodes."""
-    from jet.workers.processes import run_until_signal
+    from jet.supervisor import run_role
 
     cfg = load_config(config_path, overrides)
     if not cfg.models:
         raise click.ClickException(f"{config_path}: no models configured")
     url = resolve_url(redis_url)
     try:
-        run_until_signal(lambda stop: run(cfg, url, stop, host=host, port=port))
-    except (JetError, OSError) as e:
+        run_role(lambda stop: run(cfg, url, stop, host=host, port=port), "jet gateway")
+    except OSError as e:
         raise click.ClickException(str(e)) from None
 
 
