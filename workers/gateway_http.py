@@ -143,12 +143,17 @@ async def watching(receive) -> AsyncIterator[anyio.Event]:
             pass
         gone.set()
 
+    failure = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch)
         try:
             yield gone
+        except Exception as e:  # raised as itself below, not wrapped in the task group's ExceptionGroup
+            failure = e
         finally:
             tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
 class EventStream:
