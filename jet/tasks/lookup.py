@@ -59,14 +59,14 @@ def question(row: dict) -> str:
     return f"What is the code number of the {row['name']}?"
 
 
-def _agent(model: Any, max_tokens: int, temperature: float):
-    from agents import Agent, ModelSettings, RunContextWrapper, function_tool
+def _agent(model: Any, out: Attempt, max_tokens: int, temperature: float):
+    from agents import Agent, ModelSettings, function_tool
 
     @function_tool
-    def lookup(ctx: RunContextWrapper[Attempt], name: str) -> str:
+    def lookup(name: str) -> str:
         """The code number of an animal."""
         result, ok = lookup_json(name)
-        ctx.context.tool_calls, ctx.context.tool_ok = ctx.context.tool_calls + 1, ctx.context.tool_ok + ok
+        out.tool_calls, out.tool_ok = out.tool_calls + 1, out.tool_ok + ok
         return result
 
     return Agent(name="lookup", instructions=SYSTEM, tools=[lookup], model=model,
@@ -78,15 +78,16 @@ async def solve(model: Any, text: str, *, stream: bool, max_turns: int = 3, max_
     """Run the agent on `model` (an Agents SDK model); the attempt, and why the SDK gave up (or None)."""
     from agents import AgentsException, RunConfig, Runner
 
-    agent, out = _agent(model, max_tokens, temperature), Attempt()
+    out = Attempt()
+    agent = _agent(model, out, max_tokens, temperature)
     config = RunConfig(tracing_disabled=True)
     try:
         if stream:
-            result = Runner.run_streamed(agent, text, context=out, max_turns=max_turns, run_config=config)
+            result = Runner.run_streamed(agent, text, max_turns=max_turns, run_config=config)
             async for _ in result.stream_events():
                 pass
         else:
-            result = await Runner.run(agent, text, context=out, max_turns=max_turns, run_config=config)
+            result = await Runner.run(agent, text, max_turns=max_turns, run_config=config)
     except AgentsException as e:
         out.turns = max_turns
         return out, f"{type(e).__name__}: {e}"[:300]
