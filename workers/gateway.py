@@ -251,6 +251,10 @@ class _App:
         return JSONResponse(self._model(name))
 
     async def not_found(self, request):
+        allowed = next((e.split()[0] for e in ENDPOINTS if e.split()[1] == request.url.path), None)
+        if allowed is not None:
+            return _error(405, f"{request.method} {request.url.path}: method not allowed (use {allowed})",
+                          "invalid_request_error", None, "method_not_allowed")
         try:
             task = repr(self.claims(request).task)
         except InvalidKey:

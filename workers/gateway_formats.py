@@ -143,4 +143,4 @@ def logprobs(tokenizer: Any, done: ChatCompletion) -> list[dict]:
     c = done.call
     n = len(c.completion_ids) - (c.finish_reason == "stop" and bool(c.completion_ids))  # as the content: no stop
     tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in c.completion_ids[:n]]
-    return chat_api.tokenlogprobs(tokens, [float(x) for x in c.completion_logprobs[:n]])
+    return chat_api.token_logprobs(tokens, [float(x) for x in c.completion_logprobs[:n]])
