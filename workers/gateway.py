@@ -186,7 +186,7 @@ class _App:
             raise BadRequest(f"model {model!r} is not served here; served: {', '.join(self.models)}", "model")
         tokenizer = await anyio.to_thread.run_sync(session.client.tokenizers.get, model)
         info = await self.info(session, model, tokenizer)
-        info.check_text(req)
+        await anyio.to_thread.run_sync(info.check, req)
         stop = stop_ids(tokenizer, req.stop)
         headers = self.warn(claims, req)
         rid, created = uuid.uuid4().hex[:24], int(time.time())

@@ -47,21 +47,50 @@ def classify(e: Exception) -> tuple[int, str, str, str | None, str | None]:
 
 
 class ModelInfo:
-    """What a model's prompts may hold: its context (tokens) and its longest token (characters), so a
-    text too long for the context is refused before it is rendered or tokenised."""
+    """What a model's prompts may hold, checked in two steps before the prompt is rendered, so the
+    memory and time spent on a request grow with the model's context, not with the body's size:
+    1. characters: a text of C characters has at least C / (longest token) tokens;
+    2. tokens, counted piece by piece (PIECE characters at a time, cut at whitespace) and stopped as
+       soon as they are over the limit (with SLACK for the pieces' cut points).
+    The exact check on the rendered prompt is `Session.chat_completion(max_prompt_tokens=...)`."""
+
+    PIECE = 16_384  # characters tokenised at once
+    SLACK = 1.1  # the piecewise count may run over the whole text's by this factor
 
     def __init__(self, path: str, tokenizer: Any):
+        self.tokenizer = tokenizer
         self.context = _context(path, tokenizer)
         self.longest = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
         self.max_prompt = min(self.context - 1, ENTRY_TOKENS) if self.context else ENTRY_TOKENS
 
-    def check_text(self, request: ChatRequest) -> None:
-        """400 when the request's text cannot fit: it has at least chars / longest tokens."""
+    def check(self, request: ChatRequest) -> None:
+        """400 (context_length_exceeded) when the request's text cannot fit (blocking: call from a thread)."""
         chars = request.text_chars()
         if chars > self.max_prompt * self.longest:
-            raise BadRequest(f"the request holds {chars} characters of text: at least {chars // self.longest} "
-                             f"tokens, over the {self.max_prompt} a prompt of this model may have",
-                             "messages", "context_length_exceeded")
+            raise self._over(f"{chars} characters of text: at least {chars // self.longest} tokens")
+        limit = int(self.max_prompt * self.SLACK) + 64
+        counted = 0
+        for piece in _pieces(request.texts(), self.PIECE):
+            counted += len(self.tokenizer.encode(piece, add_special_tokens=False))
+            if counted > limit:
+                raise self._over(f"over {limit} tokens of text")
+
+    def _over(self, what: str) -> BadRequest:
+        return BadRequest(f"the request holds {what}, more than the {self.max_prompt} tokens a prompt of this "
+                          "model may have", "messages", "context_length_exceeded")
+
+
+def _pieces(texts, size: int):
+    """The texts cut into pieces of at most about `size` characters, at whitespace where there is some."""
+    for text in texts:
+        at = 0
+        while at < len(text):
+            end = at + size
+            if end < len(text):
+                cut = text.rfind(" ", at + size // 2, end)
+                end = cut if cut > at else end
+            yield text[at:end]
+            at = end
 
 
 def _context(path: str, tokenizer: Any) -> int | None:

@@ -69,13 +69,19 @@ class ChatRequest:
     logprobs: bool = False
     warning: str | None = None  # served, but not as asked (response_format)
 
+    def texts(self) -> Iterator[str]:
+        """The text this request renders at least: contents, tool calls, tools."""
+        for m in self.messages:
+            yield m.get("content") or ""
+            for c in m.get("tool_calls") or ():
+                yield c["function"]["name"]
+                yield c["function"]["arguments"]
+        if self.tools:
+            yield json.dumps(self.tools)
+
     def text_chars(self) -> int:
-        """Characters of text this request renders at least (content, tool calls, tools): the prompt
-        has at least text_chars / (longest token) tokens."""
-        n = sum(len(m.get("content") or "") for m in self.messages)
-        n += sum(len(c["function"]["name"]) + len(c["function"]["arguments"])
-                 for m in self.messages for c in m.get("tool_calls") or ())
-        return n + (len(json.dumps(self.tools)) if self.tools else 0)
+        """Characters of `texts`: the prompt has at least text_chars / (longest token) tokens."""
+        return sum(len(t) for t in self.texts())
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
