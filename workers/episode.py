@@ -173,7 +173,7 @@ async def play(task: Task, llm: Session, workflow: Callable, reward_fn: Callable
     except Exception as e:  # noqa: BLE001 - agent and reward code may raise anything: it fails the episode
         out.fail(f"{type(e).__name__}: {e}"[:500], traceback.format_exc()[-8000:])
     out.calls, out.info, out.duration_s = len(llm.calls), _jsonable(llm.info), time.monotonic() - start
-    out.undelivered = len(llm.undelivered)  # answered, but the client never received them: not trained
+    out.undelivered = len(getattr(llm, "undelivered", ()))  # answered, never received by the client: not trained
     for c in llm.calls:
         out.versions.setdefault(c.model, []).append(c.version)
     out.versions = {m: sorted(set(v)) for m, v in out.versions.items()}
