@@ -106,6 +106,7 @@ async def test_oversized_bodies_are_refused_before_anything_is_built(redis_url, 
                 error = res.json()["error"]
                 assert res.status_code == 400 and error["code"] == "context_length_exceeded", error
                 assert "characters of text" in error["message"] and took < 10
+                print(f"{len(body) / 1e6:.1f} MB body: 400 in {took:.2f}s")
             res = await http.post("chat/completions", content=b'{"messages": "' + b"x" * (17 * 2**20) + b'"}')
             assert res.status_code == 413 and res.json()["error"]["code"] == "request_too_large"
             grew = status_mb(p.pid, "VmHWM") - start
