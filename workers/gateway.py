@@ -192,7 +192,7 @@ class _App:
         rid, created = uuid.uuid4().hex[:24], int(time.time())
         generate = functools.partial(self.generate, claims, session, req, model, stop, info, api, rid)
         if req.stream:
-            return _streamed(api, rid, created, model, generate, self.sessions, claims, tokenizer, headers)
+            return self.streamed(api, rid, created, model, generate, claims, req, tokenizer, headers)
         async with watching(request.receive) as gone:
             done, recorded = await generate()
         if gone.is_set():
@@ -214,6 +214,24 @@ class _App:
         if response is not None:
             remember(session, *response)
         return done, recorded
+
+    def streamed(self, api, rid: str, created: int, model: str, generate: Callable, claims: Claims,
+                 req: ChatRequest, tokenizer, headers: dict[str, str]) -> EventStream:
+        """The SSE answer: the opening now, the rest once `generate` returned; withdrawn if undelivered."""
+        state: dict[str, Any] = {}
+
+        async def rest() -> list[bytes]:
+            try:
+                state["done"], state["recorded"] = await generate()
+            except JetError as e:  # the status line is gone: the error goes in the stream
+                return api.error(e)
+            return api.rest(api.body(rid, created, model, state["done"], tokenizer, req), req)
+
+        async def finished(delivered: bool) -> None:
+            if not delivered and "done" in state:
+                await self.withdrawn(claims, state["done"], state["recorded"])
+
+        return EventStream(api.opening(rid, created, model), rest, finished, headers)
 
     async def withdrawn(self, claims: Claims, done: ChatCompletion, recorded: Any) -> None:
         log.warning("task %r, episode %s: the client disconnected before it received call %s; withdrawn "
@@ -267,27 +285,6 @@ class _App:
     @staticmethod
     def _model(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "jet"}
-
-
-def _streamed(api, rid: str, created: int, model: str, generate: Callable, sessions, claims: Claims, tokenizer,
-              headers: dict[str, str]) -> EventStream:
-    state: dict[str, Any] = {}
-
-    async def rest() -> list[bytes]:
-        try:
-            state["done"], state["recorded"] = await generate()
-        except (JetError, BadRequest) as e:
-            return api.error(e)
-        req = generate.args[2]
-        return api.rest(api.body(rid, created, model, state["done"], tokenizer, req), req)
-
-    async def finished(delivered: bool) -> None:
-        if not delivered and "done" in state:
-            log.warning("task %r, episode %s: the client disconnected mid-stream from call %s; withdrawn from "
-                        "the episode (not trained)", claims.task, claims.episode_id, state["done"].result.request_id)
-            await sessions.undelivered(claims, state["done"], state["recorded"])
-
-    return EventStream(api.opening(rid, created, model), rest, finished, headers)
 
 
 def make_app(sessions: LocalSessions | RecordingSessions, signer: Signer, models: list[str],
