@@ -288,3 +288,23 @@ async def test_an_undelivered_call_is_left_out_of_the_trajectory(redis_url, keys
 async def _trajs(url, keys, n):
     found = await trajectories(url, keys)
     return found if len(found) >= n else None
+
+
+@pytest.mark.anyio
+async def test_previous_response_id_survives_a_standalone_gateway_restart(redis_url, cfg, tiny_model):
+    backend = ScriptedBackend(tiny_model)
+    async with inference_and_client(cfg, redis_url, backend) as llm:
+        async with standalone_gateway(cfg, redis_url) as url, episode_gateway(cfg, redis_url, llm, url) as gw:
+            session = await an_episode(gw, llm)
+            async with openai.AsyncOpenAI(base_url=url, api_key=session.openai_api_key, max_retries=0) as client:
+                first = await client.responses.create(model=MODEL, input=QUESTION, tools=RESP_TOOLS)
+        async with standalone_gateway(cfg, redis_url) as url, episode_gateway(cfg, redis_url, llm, url) as gw:
+            async with openai.AsyncOpenAI(base_url=url, api_key=session.openai_api_key, max_retries=0) as client:
+                output = {"type": "function_call_output", "call_id": first.output[0].call_id,
+                          "output": json.dumps({"result": 5})}
+                second = await client.responses.create(model=MODEL, tools=RESP_TOOLS, input=[output],
+                                                       previous_response_id=first.id)
+            assert second.output_text == "The answer is 5."
+            await gw.collect(session)
+    c1, c2 = session.calls
+    assert c2.prompt_ids[:len(c1.ids)] == c1.ids  # the new gateway extended the kept ids it rebuilt
