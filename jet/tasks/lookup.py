@@ -20,7 +20,7 @@ number. `llm.info` gets {"answer", "correct", "tool_calls", "tool_ok",
 "turns", "api", "gave_up"}.
 
 Rows ("lookup"): {"name": "otter", "answer": 417}, optionally "max_turns"
-(3), "max_tokens" (48), "temperature" (1.0). Needs the `agents` extra
+(3), "max_tokens" (48), "temperature" (1.0), "stream" (see the workflows). Needs the `agents` extra
 (openai-agents); the rows and the reward do not.
 """
 
@@ -109,15 +109,15 @@ async def _play(task: Task, llm: Any, api: str, stream: bool) -> float:
                                        max_tokens=int(row.get("max_tokens", 48)),
                                        temperature=float(row.get("temperature", 1.0)))
     llm.info.update(answer=attempt.answer, correct=attempt.answer == row["answer"], tool_calls=attempt.tool_calls,
-                    tool_ok=attempt.tool_ok, turns=attempt.turns, api=api, gave_up=gave_up)
+                    tool_ok=attempt.tool_ok, turns=attempt.turns, api=api, stream=stream, gave_up=gave_up)
     return score(attempt, float(row["answer"]))
 
 
 async def workflow(task: Task, llm: Any) -> float:
-    """One episode on the SDK's default, the Responses API, streamed; returns the reward."""
-    return await _play(task, llm, "responses", stream=True)
+    """One episode on the SDK's default, the Responses API, streamed unless the row says "stream": false."""
+    return await _play(task, llm, "responses", stream=bool(task.row.get("stream", True)))
 
 
 async def chat_workflow(task: Task, llm: Any) -> float:
-    """One episode on the SDK's chat-completions model; returns the reward."""
-    return await _play(task, llm, "chat", stream=False)
+    """One episode on the SDK's chat-completions model, not streamed unless the row says "stream": true."""
+    return await _play(task, llm, "chat", stream=bool(task.row.get("stream", False)))

@@ -53,21 +53,23 @@ def check_perfect(trajs, n, calls):
         assert "undelivered_calls" not in t.meta
 
 
-CASES = {  # task: (workflow, dataset, calls per perfect episode)
-    "langchain": ("jet.tasks.units:workflow", "units", 2),
-    "agents-responses": ("jet.tasks.lookup:workflow", "lookup", 2),
-    "agents-chat": ("jet.tasks.lookup:chat_workflow", "lookup", 2),
-    "httpx": ("jet.tasks.spell:workflow", "spell", 1),
+CASES = {  # task: (workflow, dataset, calls per perfect episode, row overrides)
+    "langchain": ("jet.tasks.units:workflow", "units", 2, {}),
+    "agents-responses": ("jet.tasks.lookup:workflow", "lookup", 2, {}),  # streamed
+    "agents-responses-run": ("jet.tasks.lookup:workflow", "lookup", 2, {"stream": False}),
+    "agents-chat": ("jet.tasks.lookup:chat_workflow", "lookup", 2, {}),
+    "agents-chat-streamed": ("jet.tasks.lookup:chat_workflow", "lookup", 2, {"stream": True}),
+    "httpx": ("jet.tasks.spell:workflow", "spell", 1, {}),
 }
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_framework_agents_through_the_embedded_gateway(case, redis_url, keys, long_model, tmp_path):
-    workflow, data, calls = CASES[case]
+    workflow, data, calls, extra = CASES[case]
     cfg = config(tmp_path, keys, long_model, case, workflow, data)
     backend = ToolAgentBackend(long_model)
-    rows = dataset(data, 2, seed=5)
+    rows = [{**row, **extra} for row in dataset(data, 2, seed=5)]
     await enqueue(redis_url, keys, case, rows)
     async with running(cfg, redis_url, backend):
         trajs = await wait_for(lambda: n_trajectories(redis_url, keys, 4), timeout=90)
@@ -79,6 +81,7 @@ async def test_framework_agents_through_the_embedded_gateway(case, redis_url, ke
             assert f"\"result\": {convert_value(row['value'], row['unit_from'], row['unit_to'])}" in text
         if data == "lookup":
             assert t.meta["info"]["api"] == ("chat" if "chat" in workflow else "responses")
+            assert t.meta["info"]["stream"] == row.get("stream", "chat" not in workflow)
             assert t.meta["info"]["gave_up"] is None and f"The answer is {code(row['name'])}." in text
         if data == "spell":
             assert t.meta["info"] == {"replies": 1, "solved_on": 1}
@@ -87,7 +90,7 @@ async def test_framework_agents_through_the_embedded_gateway(case, redis_url, ke
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", ["agents-responses", "httpx"])
 async def test_framework_agents_through_a_standalone_gateway(case, redis_url, keys, long_model, tmp_path):
-    workflow, data, calls = CASES[case]
+    workflow, data, calls, _ = CASES[case]
     cfg = config(tmp_path, keys, long_model, case, workflow, data)
     await enqueue(redis_url, keys, case, dataset(data, 1, seed=6))
     async with standalone_gateway(cfg, redis_url) as base_url, running(cfg, redis_url, ToolAgentBackend(long_model),
