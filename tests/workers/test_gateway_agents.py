@@ -18,7 +18,7 @@ from jet.tasks import dataset
 from jet.tasks.lookup import code
 from jet.tasks.units import convert_value
 
-from .conftest import MODEL, enqueue, wait_for, write_config
+from .conftest import enqueue, wait_for, write_config
 from .test_arith import long_model, n_trajectories, running  # noqa: F401 - fixtures
 from .test_e2e import runs
 from .test_gateway import ScriptedBackend, standalone_gateway
