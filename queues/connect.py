@@ -51,26 +51,32 @@ def env_url() -> str | None:
     return os.environ.get(ENV_URL) or None
 
 
-def make_client(url: str, *, block_ms: int | None = None, name: str | None = None) -> aioredis.Redis:
+def make_client(url: str, *, block_ms: int | None = None, name: str | None = None,
+                max_connections: int | None = None) -> aioredis.Redis:
     """A client for `url`. With `block_ms`, its socket timeout exceeds that BLOCK by 5 s.
+    With `max_connections`, its pool holds that many connections and a command waits (up to the
+    socket timeout) for a free one instead of failing with "Too many connections".
 
     TLS (`rediss://`), passwords and ACL users come from the URL; certificate
     options from the query string (`?ssl_ca_certs=...&ssl_cert_reqs=required`).
     """
     timeout = OP_TIMEOUT_S if block_ms is None else block_ms / 1000 + 5.0
+    options: dict[str, Any] = dict(
+        protocol=2,
+        decode_responses=False,
+        socket_timeout=timeout,
+        socket_connect_timeout=5.0,
+        # One quick retry for a dropped connection; longer outages are the
+        # caller's backoff loop (`retry_forever`), which logs what happens.
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+        client_name=name,
+        health_check_interval=30,
+    )
     try:
-        return aioredis.Redis.from_url(
-            url,
-            protocol=2,
-            decode_responses=False,
-            socket_timeout=timeout,
-            socket_connect_timeout=5.0,
-            # One quick retry for a dropped connection; longer outages are the
-            # caller's backoff loop (`retry_forever`), which logs what happens.
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
-            client_name=name,
-            health_check_interval=30,
-        )
+        if max_connections is None:
+            return aioredis.Redis.from_url(url, **options)
+        return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **options))
     except ValueError as e:
         raise ConnectError(f"bad Redis URL {redact(url)}: {e}") from None
 
@@ -105,9 +111,10 @@ def parse_version(info: dict[Any, Any]) -> tuple[int, ...]:
     return tuple(int(x) for x in str(raw).split(".")[:3] if x.isdigit())
 
 
-async def connect(url: str, *, block_ms: int | None = None, name: str | None = None) -> aioredis.Redis:
+async def connect(url: str, *, block_ms: int | None = None, name: str | None = None,
+                  max_connections: int | None = None) -> aioredis.Redis:
     """Open a client, check that the server speaks the Redis >= 7.0 API, return it."""
-    client = make_client(url, block_ms=block_ms, name=name)
+    client = make_client(url, block_ms=block_ms, name=name, max_connections=max_connections)
     try:
         with translated(url):
             info = await client.info("server")

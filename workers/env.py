@@ -81,7 +81,7 @@ from jet.supervisor import mark_ready
 from jet.wire import Task
 from jet.workers.episode import Outcome as Episode
 from jet.workers.episode import code_version, load_function, play, trajectories
-from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway
+from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway, pool_size
 from jet.workers.lanes import LIVE, SHADOW, Lane, leave_group
 from jet.workers.runtimes import check_runtime, env_children, same_python
 
@@ -129,7 +129,7 @@ class TaskRunner:
             return Dead(str(e)) if self.lane.owns_fate else Drop()
         session = self.llm.session(task.msg_id, self.t.model)
         try:
-            await self.gateway.open(session, ttl_s=self.t.episode_timeout_s + KEY_GRACE_S)
+            await self.gateway.open(session, ttl_s=self.t.episode_timeout_s + KEY_GRACE_S, task=self.t.name)
             out = await play(task, session, self.workflow, self.reward, timeout_s=self.t.episode_timeout_s,
                              merge_mode=self.t.merge, trained=self.trained,
                              collect=functools.partial(self.gateway.collect, session))
@@ -209,7 +209,7 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
     for model in {t.model for t in chosen}:  # load before the first episodes, not under their timeout
         await anyio.to_thread.run_sync(tokenizers.get, model)
     timeout = request_timeout_s or max(30.0, 3 * cfg.queues.lease_ms / 1000)
-    async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout,
+    async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout, max_connections=pool_size(cfg),
                            gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
         log.info("env worker slot %d: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
         loaded: set[str] = set()
