@@ -71,7 +71,7 @@ def _run(study, url: str | None, workers: int) -> None:
     import anyio
 
     from jet.study.runner import LocalWorkers, Runner
-    from jet.workers.processes import run_until_signal
+    from jet.supervisor import run_role
 
     folder = study.folder()
     folder.mkdir(parents=True, exist_ok=True)
@@ -93,10 +93,10 @@ def _run(study, url: str | None, workers: int) -> None:
             if local:
                 local.start()
             ended.append(await runner.run(stop, say=lambda t: click.echo(t, err=True),
-                                          on_tick=local.start if local else None))
+                                          on_tick=local.poll if local else None))
 
         try:
-            run_until_signal(main)
+            run_role(main, name="jet study")
         finally:
             if local:
                 local.stop(timeout=study.worker.stop_grace_s + 30)

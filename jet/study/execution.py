@@ -42,6 +42,7 @@ from jet.study.keeper import EXIT_NO_LEASE
 from jet.study.messages import Progress, RunRequest, RunResult
 
 POLL_S = 0.5
+FATAL = "stopped with an error that restarting cannot fix"  # jet.supervisor's words for a fatal exit
 _RESUMED = re.compile(r"resumed \S+ from .* \(step (\d+)")
 
 
@@ -130,9 +131,13 @@ def classify(code: int | None, rows: list[dict], req: RunRequest, stop: str | No
         if bad is not None:  # the trainer's metrics drop non-finite values: a missing loss is a NaN/inf one
             return "diverged", f"the loss was not finite at step {bad}"
         return "completed", ""
-    error = next((ln for ln in reversed(log_tail.splitlines()) if ln.startswith("Error: ")), None)
+    lines = log_tail.splitlines()
+    error = next((ln for ln in reversed(lines) if ln.startswith("Error: ")), None)
     if code not in (0, None) and error and not rows:
         return "bad_config", f"jet up refused the config: {error[7:]}"
+    fatal = next((ln for ln in reversed(lines) if ln.startswith("jet up: ") and FATAL in ln), None)
+    if code not in (0, None) and fatal:  # a role stopped with an error restarting cannot fix (its config)
+        return "bad_config", fatal[len("jet up: "):]
     if code == 0:
         return "retry", f"jet up ended at step {last} of {req.steps}"
     return "retry", f"jet up exited with code {code} at step {last} of {req.steps}"
@@ -156,7 +161,7 @@ def resumed_step(run_dir: Path) -> int:
 def run_env(req: RunRequest) -> dict[str, str]:
     """The run's environment: ours and the study's, minus the markers of our own supervisor (jet up's
     roles would take it for theirs and drain at once)."""
-    from jet.workers.processes import READY_ENV, SUPERVISOR_ENV
+    from jet.supervisor import READY_ENV, SUPERVISOR_ENV
 
     env = {**os.environ, **req.env}
     for k in (SUPERVISOR_ENV, READY_ENV):

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -503,33 +502,23 @@ class Runner:
 
 
 class LocalWorkers:
-    """`jet study run`'s own study workers: N processes that drain if this process dies (they watch it)."""
+    """`jet study run`'s own study workers: N supervised processes (restarted when they crash) that
+    drain if this process dies (they watch it)."""
 
     def __init__(self, study: str, url: str, folder: Path, n: int):
-        self.argv = lambda i: [sys.executable, "-m", "jet.study.worker", study, "--redis-url", url,
-                               "--dir", str(folder), "--slot", str(i)]
-        self.logs, self.n, self.procs = folder / "logs", n, {}
+        from jet.supervisor import Child, Supervisor
+
+        argv = lambda i: [sys.executable, "-m", "jet.study.worker", study, "--redis-url", url,  # noqa: E731
+                          "--dir", str(folder), "--slot", str(i)]
+        self.sup = Supervisor(lambda bank: [Child(f"study-worker-{i}", argv(i), log=folder / "logs" / f"worker-{i}.log")
+                                            for i in range(n)])
 
     def start(self) -> None:
-        from jet.workers.processes import SUPERVISOR_ENV
+        self.sup.start()
 
-        self.logs.mkdir(parents=True, exist_ok=True)
-        for i in range(self.n):
-            if i in self.procs and self.procs[i].poll() is None:
-                continue
-            with open(self.logs / f"worker-{i}.log", "ab") as out:
-                self.procs[i] = subprocess.Popen(self.argv(i), stdout=out, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                                 env={**os.environ, SUPERVISOR_ENV: str(os.getpid())})
+    def poll(self) -> None:
+        self.sup.poll()
 
     def stop(self, timeout: float) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self.sup.stop()
+        self.sup.wait(timeout)

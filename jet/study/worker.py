@@ -31,7 +31,7 @@ import orjson
 
 from jet.keys import GROUP_STUDY, Keys
 from jet.study import ledger
-from jet.study.execution import Finished, Retry, execute
+from jet.study.execution import Finished, execute
 from jet.study.messages import RunRequest
 
 log = logging.getLogger(__name__)
@@ -53,76 +53,47 @@ async def settings_of(r, url: str, keys: Keys, stop: anyio.Event) -> dict | None
 
 
 async def handle_one(r, url: str, keys: Keys, delivery, study_dir: Path, name: str, stop: anyio.Event):
-    """One request -> a Finished or a Retry outcome."""
+    """One request -> Commit (its result, atomically with the ack) or Release (another attempt)."""
+    from jet.queues.runtime import Commit, Release
+
     req = RunRequest.from_payload(delivery.payload)
     while await ledger.get_field(r, url, keys, "paused") and not stop.is_set():
         with anyio.move_on_after(1.0):
             await stop.wait()
     if stop.is_set():
-        return Retry("the study worker stopped before starting the run")
+        return Release()  # drained before it started: not a failure of the run
     log.info("run %s (arm %d, seed %d, attempt %d)", req.run, req.trial, req.seed, delivery.deliveries)
     outcome = await execute(req, r, url, keys, study_dir, name, delivery.deliveries, stop)
     if isinstance(outcome, Finished):
         log.info("run %s: %s %s", req.run, outcome.result.status, outcome.result.reason)
-    else:
-        log.info("run %s given back: %s", req.run, outcome.why)
-    return outcome
+        return Commit([(keys.study_results, outcome.result.to_fields())])
+    log.info("run %s given back: %s", req.run, outcome.why)
+    return Release(outcome.why)
 
 
-async def one_at_a_time(c, handle, stop: anyio.Event) -> None:
-    """Fetch one request, run it to its outcome, commit or give it back; the lease keeper renews its
-    lease meanwhile and the reaper reclaims the requests of dead workers. Nothing is read ahead: a
-    request waits in the stream for whichever worker is free."""
-    from jet.errors import ConnectError
-    from jet.queues.connect import retry_forever
-    from jet.queues.reaper import Reaper
-    from jet.queues.serve import lease_keeper, reaper_loop
-
-    await retry_forever(c.ensure_group, url=c.url, what="create the study group")
-    inner = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lease_keeper, c, inner)
-        tg.start_soon(reaper_loop, Reaper(c), inner, min(5.0, c.cfg.lease_ms / 2000))
-        try:
-            while not stop.is_set():
-                try:
-                    for d in await c.fetch(1):
-                        outcome = await handle(d)
-                        if isinstance(outcome, Finished):
-                            await c.commit([(d, [(c.keys.study_results, outcome.result.to_fields())])])
-                        else:
-                            await c.fail(d, outcome.why)
-                except ConnectError as e:
-                    log.warning("%s; reconnecting", e)
-                    await anyio.sleep(1.0)
-                    c.restarted()
-        finally:
-            inner.set()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                if c.inflight:
-                    await c.release()
-
-
-async def serve(url: str, study: str, slot: int, study_dir: Path, stop: anyio.Event) -> None:
-    from jet.queues.connect import connect
-    from jet.queues.consumer import Consumer, Settings, consumer_name
+async def serve(url: str, study: str, slot: int | str, study_dir: Path, stop: anyio.Event) -> None:
+    from jet.queues.connect import connect, retry_forever
+    from jet.queues.consumer import consumer_name
+    from jet.queues.runtime import Runtime, Settings
 
     keys = Keys.for_study(study)
-    r = await connect(url)
-    rb = await connect(url, block_ms=2000)
+    r = await retry_forever(lambda: connect(url), url=url, what="connect", stop=stop)
     try:
         ws = await settings_of(r, url, keys, stop)
         if ws is None:
             return
         name = consumer_name("study", slot)
+        # One run at a time per process, nothing read ahead: a request waits in the stream for whichever
+        # worker is free. Deliveries count attempts (drains, reclaims); crashes are counted apart
+        # (budget.max_retries), so the dead-letter cap only stops a request that kills its workers.
         settings = Settings(lease_ms=int(ws["lease_s"] * 1000), max_deliveries=100, block_ms=2000, batch=1,
                             marker_ttl_s=30 * 86_400)
-        c = Consumer(r, rb, url, keys, keys.study_runs, GROUP_STUDY, name, settings)
-        await one_at_a_time(c, lambda d: handle_one(r, url, keys, d, study_dir, name, stop), stop)
+        async with Runtime(url, keys, keys.study_runs, GROUP_STUDY, name, settings, stop=stop) as rt:
+            await rt.serve_each(lambda d: handle_one(r, url, keys, d, study_dir, name, stop), stop, concurrency=1,
+                                drain_timeout_s=ws["stop_grace_s"] + 30)
     finally:
         with anyio.CancelScope(shield=True):
             await r.aclose()
-            await rb.aclose()
 
 
 @click.command("worker")
@@ -133,21 +104,18 @@ async def serve(url: str, study: str, slot: int, study_dir: Path, stop: anyio.Ev
 @click.option("--dir", "study_dir", default=None, help="Folder of this study's runs here (default studies/STUDY).")
 def cli(study, n, slot, redis_url, study_dir) -> None:
     """Execute STUDY's runs (each an ordinary `jet up`), one at a time per process."""
+    import sys
+
     from jet.cliopts import resolve_url
-    from jet.workers.processes import run_until_signal, supervise
+    from jet.supervisor import Child, Supervisor, run_role
 
     url = resolve_url(redis_url)
     folder = Path(study_dir or Path("studies") / study)
     if slot is None and n > 1:
-        import sys
-
         base = [sys.executable, "-m", "jet.study.worker", study, "--redis-url", url, "--dir", str(folder)]
-        raise SystemExit(supervise(lambda i: base + ["--slot", str(i)], n))
-
-    async def main(stop: anyio.Event) -> None:
-        await serve(url, study, slot or 0, folder, stop)
-
-    run_until_signal(main)
+        raise SystemExit(Supervisor(lambda bank: [Child(f"study-worker-{i}", base + ["--slot", str(i)])
+                                                  for i in range(n)]).run())
+    run_role(lambda stop: serve(url, study, slot or 0, folder, stop), name="jet study worker")
 
 
 if __name__ == "__main__":
