@@ -26,7 +26,7 @@ from jet.cli import LazyGroup
 def _load(target: str, overrides: tuple[str, ...], studies_dir: str):
     """A Study from a study file, or from the folder of a study started before (NAME)."""
     from jet.errors import ConfigError
-    from jet.study.spec import apply_override, load_study, parse_study
+    from jet.study.studyfile import apply_override, load_study, parse_study
 
     try:
         if Path(target).is_file():
@@ -70,7 +70,8 @@ studies_dir_option = click.option("--studies-dir", default="studies", show_defau
 def _run(study, url: str | None, workers: int) -> None:
     import anyio
 
-    from jet.study.runner import LocalWorkers, Runner
+    from jet.study.runner import Runner
+    from jet.study.worker import LocalWorkers
     from jet.supervisor import run_role
 
     folder = study.folder()
@@ -169,17 +170,17 @@ def report_cmd(target, redis_url, studies_dir) -> None:
     """Redraw report.md, results.csv and the plots from the study's durable state."""
     from jet.cliopts import run_jet
     from jet.study import report
-    from jet.study.runner import Runner
+    from jet.study.state import StudyState
 
     s, folder = _open_runner(target, redis_url, studies_dir)
 
     async def draw(url: str) -> Path:
-        runner = Runner(s, url, folder)
-        await runner.load()
+        state = StudyState(s, url, folder)
+        await state.load()
         try:
-            return report.write(runner, True)
+            return report.write(state, True)
         finally:
-            await runner.r.aclose()
+            await state.r.aclose()
 
     with study_server(folder, redis_url) as url:
         click.echo(run_jet(draw, url))
@@ -195,19 +196,19 @@ def status_cmd(target, watch, redis_url, studies_dir) -> None:
     from rich.console import Console
 
     from jet.cliopts import run_jet
-    from jet.study.runner import Runner
+    from jet.study.state import StudyState
     from jet.study.status import table
 
     s, folder = _open_runner(target, redis_url, studies_dir)
     console = Console()
 
     async def show(url: str):
-        runner = Runner(s, url, folder)
-        await runner.load()
+        state = StudyState(s, url, folder)
+        await state.load()
         try:
-            return await table(runner)
+            return await table(state)
         finally:
-            await runner.r.aclose()
+            await state.r.aclose()
 
     with study_server(folder, redis_url) as url:
         while True:

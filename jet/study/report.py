@@ -1,6 +1,6 @@
 """What a researcher reads: report.md, results.csv and PNG plots in the study folder.
 
-What it is: `write(runner, plots)` renders the runner's state (rebuilt from
+What it is: `write(state, plots)` renders the state's state (rebuilt from
 durable storage, so `jet study report` redraws it any time):
 - results.csv: one row per run (arm, params, seed, stage, status, summary,
   steps, duration, attempts, the step it resumed from, worker, reason);
@@ -12,7 +12,7 @@ durable storage, so `jet study report` redraws it any time):
   95% t-band; pruned arms dashed, their partial curves kept), forest.png (each
   hypothesis's mean paired difference and interval), pruning.png (each run
   over wall time, by status, with the prune decisions marked).
-decisions.jsonl is written by the runner as it decides.
+decisions.jsonl is written by the state as it decides.
 
 What it is not: the statistics (jet.study.stats / analysis).
 """
@@ -30,48 +30,48 @@ from jet.study.analysis import fmt
 COLORS = {"supported": "tab:green", "refuted": "tab:red", "inconclusive": "tab:gray"}
 
 
-def rows(runner) -> list[dict]:
+def rows(state) -> list[dict]:
     out = []
-    params = runner.study.params
-    for run, req in sorted(runner.launched.items(), key=lambda kv: (kv[1].stage, kv[1].trial, kv[1].seed)):
-        res = runner.results.get(run)
-        status = analysis.effective_status(runner.study, res) if res else (
-            "running" if runner.curves.get(run) else "queued")
-        summary = analysis.summary_of(runner.study, res) if res else None
+    params = state.study.params
+    for run, req in sorted(state.launched.items(), key=lambda kv: (kv[1].stage, kv[1].trial, kv[1].seed)):
+        res = state.results.get(run)
+        status = analysis.effective_status(state.study, res) if res else (
+            "running" if state.curves.get(run) else "queued")
+        summary = analysis.summary_of(state.study, res) if res else None
         out.append({"run": run, "stage": req.stage, "arm": req.trial, **{p: req.params.get(p) for p in params},
                     "seed": req.seed, "status": status, "summary": summary,
-                    "steps": res.steps if res else max(runner.curves.get(run, {0: 0})), "steps_planned": req.steps,
+                    "steps": res.steps if res else max(state.curves.get(run, {0: 0})), "steps_planned": req.steps,
                     "duration_s": res.duration_s if res else None, "attempts": res.attempts if res else None,
                     "resumed_from": res.resumed_from if res else None, "worker": res.worker if res else "",
                     "reason": res.reason if res else ""})
     return out
 
 
-def write(runner, plots: bool = True) -> Path:
-    folder = runner.folder
-    table = rows(runner)
+def write(state, plots: bool = True) -> Path:
+    folder = state.folder
+    table = rows(state)
     with open(folder / "results.csv", "w", newline="") as f:
-        cols = ["run", "stage", "arm", *runner.study.params, "seed", "status", "summary", "steps", "steps_planned",
+        cols = ["run", "stage", "arm", *state.study.params, "seed", "status", "summary", "steps", "steps_planned",
                 "duration_s", "attempts", "resumed_from", "worker", "reason"]
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(table)
-    sums = runner.summaries()
-    verdicts = analysis.assess(runner.study, sums, runner.best())
+    sums = state.summaries()
+    verdicts = analysis.assess(state.study, sums, state.best())
     if plots:
-        curves_png(runner, sums, folder / "curves.png")
-        forest_png(runner, verdicts, folder / "forest.png")
-        timeline_png(runner, folder / "pruning.png")
-    (folder / "report.md").write_text(markdown(runner, sums, verdicts, table))
+        curves_png(state, sums, folder / "curves.png")
+        forest_png(state, verdicts, folder / "forest.png")
+        timeline_png(state, folder / "pruning.png")
+    (folder / "report.md").write_text(markdown(state, sums, verdicts, table))
     return folder / "report.md"
 
 
-def progress_line(runner) -> str:
-    t = rows(runner)
+def progress_line(state) -> str:
+    t = rows(state)
     done = sum(1 for r in t if r["status"] not in ("running", "queued"))
     running = sum(1 for r in t if r["status"] == "running")
-    return (f"study {runner.study.name}: stage {runner.stage()}, {len(runner.arms)} arms, {done} runs done, "
-            f"{running} running, {len(t)} of {runner.study.budget.max_runs} launched")
+    return (f"study {state.study.name}: stage {state.stage()}, {len(state.arms)} arms, {done} runs done, "
+            f"{running} running, {len(t)} of {state.study.budget.max_runs} launched")
 
 
 def _mean_ci(values: list[float]) -> tuple[float, float]:
@@ -101,25 +101,25 @@ def _plt():
     return plt
 
 
-def curves_png(runner, sums, path: Path) -> None:
+def curves_png(state, sums, path: Path) -> None:
     plt = _plt()
-    m = runner.study.metric
+    m = state.study.metric
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for n, arm in sorted(sums.items()):
-        per_seed = [smoothed(runner.curve(run), m.window) for run, req in runner.launched.items()
-                    if req.trial == n and runner.curve(run)]
+        per_seed = [smoothed(state.curve(run), m.window) for run, req in state.launched.items()
+                    if req.trial == n and state.curve(run)]
         if not per_seed:
             continue
         steps = sorted({s for c in per_seed for s in c})
         pts = [(s, *_mean_ci([c[s] for c in per_seed if s in c])) for s in steps]
         xs, ys, hw = zip(*pts)
-        pruned = arm.state == "pruned" or f"pruned:{n}" in runner.marks
+        pruned = arm.state == "pruned" or f"pruned:{n}" in state.marks
         line, = ax.plot(xs, ys, ls="--" if pruned else "-", label=f"{n}: {arm.label}" + (" (pruned)" if pruned else ""))
         ax.fill_between(xs, [y - h for y, h in zip(ys, hw)], [y + h for y, h in zip(ys, hw)],
                         color=line.get_color(), alpha=0.15)
     ax.set_xlabel("trainer step")
     ax.set_ylabel(f"{m.name} (moving average of {m.window})")
-    ax.set_title(f"{runner.study.name}: mean over seeds, 95% band")
+    ax.set_title(f"{state.study.name}: mean over seeds, 95% band")
     if ax.lines:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -127,7 +127,7 @@ def curves_png(runner, sums, path: Path) -> None:
     plt.close(fig)
 
 
-def forest_png(runner, verdicts, path: Path) -> None:
+def forest_png(state, verdicts, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.6 * max(1, len(verdicts))))
     for i, v in enumerate(verdicts):
@@ -141,33 +141,33 @@ def forest_png(runner, verdicts, path: Path) -> None:
     ax.axvline(0.0, color="black", lw=0.8)
     ax.set_yticks(range(len(verdicts)), [f"{v.name}\n{v.verdict} (n={len(v.evidence.diffs)})" for v in verdicts],
                   fontsize=8)
-    ax.set_xlabel(f"paired difference treatment - control ({runner.study.metric.name}; > 0 = treatment better)")
-    ax.set_title(f"effect sizes, {runner.study.confidence:.0%} bootstrap intervals")
+    ax.set_xlabel(f"paired difference treatment - control ({state.study.metric.name}; > 0 = treatment better)")
+    ax.set_title(f"effect sizes, {state.study.confidence:.0%} bootstrap intervals")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def timeline_png(runner, path: Path) -> None:
+def timeline_png(state, path: Path) -> None:
     plt = _plt()
     colors = {"completed": "tab:green", "diverged": "tab:orange", "collapsed": "tab:orange", "pruned": "tab:purple",
               "running": "tab:blue", "cancelled": "tab:gray", "stopped": "tab:gray"}
-    t0 = runner.started
-    fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.25 * max(1, len(runner.launched))))
+    t0 = state.started
+    fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.25 * max(1, len(state.launched))))
     labels = []
-    for i, (run, req) in enumerate(sorted(runner.launched.items(), key=lambda kv: (kv[1].trial, kv[1].seed))):
-        res = runner.results.get(run)
+    for i, (run, req) in enumerate(sorted(state.launched.items(), key=lambda kv: (kv[1].trial, kv[1].seed))):
+        res = state.results.get(run)
         if res:
             end, begin, status = res.finished_at, res.finished_at - res.duration_s, analysis.effective_status(
-                runner.study, res)
-        elif runner.curves.get(run):
+                state.study, res)
+        elif state.curves.get(run):
             begin, end, status = t0, time.time(), "running"
         else:
             continue
         ax.plot([(begin - t0) / 60, (end - t0) / 60], [i, i], lw=5, color=colors.get(status, "tab:red"),
                 solid_capstyle="butt")
         labels.append((i, f"t{req.trial} s{req.seed}"))
-    for d in runner.decisions.read():
+    for d in state.decisions.read():
         if d.get("kind") == "prune":
             ax.axvline((d["time"] - t0) / 60, color="tab:purple", ls=":", lw=1)
             ax.text((d["time"] - t0) / 60, 0, f" prune t{d['arm']}", color="tab:purple", fontsize=7, rotation=90)
@@ -180,16 +180,16 @@ def timeline_png(runner, path: Path) -> None:
     plt.close(fig)
 
 
-def markdown(runner, sums, verdicts, table) -> str:
-    s, b = runner.study, runner.study.budget
-    elapsed = time.time() - runner.started
+def markdown(state, sums, verdicts, table) -> str:
+    s, b = state.study, state.study.budget
+    elapsed = time.time() - state.started
     lines = [f"# Study `{s.name}`", "", f"**Question.** {s.question}", "",
              f"- base config: `{s.base}`; overrides of every run: {', '.join(f'`{x}`' for x in s.set) or 'none'}",
              f"- metric: `{s.metric.name}` ({s.metric.mode}; a run's summary: {s.metric.summary}, window "
              f"{s.metric.window}); seeds {s.seeds} (paired across arms)",
              f"- planner: {s.planner.kind}; pruner: {s.pruner.kind}"
              + (f" (rungs {s.pruner.rungs}, eta {s.pruner.eta})" if s.pruner.kind != "none" else ""),
-             f"- state: {'ended: ' + runner.ended if runner.ended else 'running'}; wall time {elapsed / 60:.1f} min "
+             f"- state: {'ended: ' + state.ended if state.ended else 'running'}; wall time {elapsed / 60:.1f} min "
              "from the first start", "", "## Hypotheses and verdicts", "",
              f"Stated before any run. Paired differences per seed (treatment - control, > 0 = treatment better), "
              f"{s.confidence:.0%} bootstrap interval of the mean, two-sided Wilcoxon signed-rank p against the "
@@ -206,30 +206,30 @@ def markdown(runner, sums, verdicts, table) -> str:
     lines += [""] + [f"- **{v.name}**: {v.statement}" + (f" ({v.note})" if v.note else "") for v in verdicts]
     lines += ["", "## Arms", "", "| arm | params | state | seeds counted | mean summary | runs |", "|---|---|---|---|---|---|"]
     for n, a in sorted(sums.items()):
-        state = "pruned" if f"pruned:{n}" in runner.marks else "failed" if f"failed:{n}" in runner.marks else a.state
+        kind = "pruned" if f"pruned:{n}" in state.marks else "failed" if f"failed:{n}" in state.marks else a.state
         runs = ", ".join(f"{k} {c}" for k, c in sorted(a.statuses.items()))
-        lines.append(f"| {n} | {a.label} | {state} | {len(a.values)} | {fmt(a.mean())} | {runs} |")
+        lines.append(f"| {n} | {a.label} | {kind} | {len(a.values)} | {fmt(a.mean())} | {runs} |")
     lines += ["", "## Stages", ""]
-    for k in range(runner.stage() + 1):
-        p = runner.stage_plan(k)
+    for k in range(state.stage() + 1):
+        p = state.stage_plan(k)
         lines.append(f"- stage {k} ({'screening' if k == 0 else 'confirmation'}): arms {p['arms']}, seeds {p['seeds']}"
                      + (f" — {p['why']}" if p.get("why") else ""))
     lines += ["", "## Pruned", ""]
-    pruned = [(m.split(":")[1], why) for m, why in runner.marks.items() if m.startswith("pruned:")]
+    pruned = [(m.split(":")[1], why) for m, why in state.marks.items() if m.startswith("pruned:")]
     lines += [f"- arm {a}: {why} (its partial curves are in curves.png, dashed)" for a, why in sorted(pruned)] or ["- none"]
-    used_tokens = getattr(runner.llm, "tokens_used", 0) if runner.llm else 0
+    used_tokens = getattr(state.llm, "tokens_used", 0) if state.llm else 0
     lines += ["", "## Budget", "",
-              f"- runs launched: {len(runner.launched)} of {b.max_runs}; at most {b.max_concurrent_runs} at once",
+              f"- runs launched: {len(state.launched)} of {b.max_runs}; at most {b.max_concurrent_runs} at once",
               f"- wall time: {elapsed / 3600:.2f} h of {b.max_wall_hours} h; per-run timeout {b.run_timeout_s:.0f} s",
               f"- planner tokens: {used_tokens} of {b.max_planner_tokens}"]
-    refusals = [why for m, why in runner.marks.items() if m.startswith("refused:")]
+    refusals = [why for m, why in state.marks.items() if m.startswith("refused:")]
     lines += [f"- refused: {why}" for why in refusals] or ["- no launch was refused"]
     lines += ["", "## Failures", ""]
-    fails = [f"- arm {m.split(':')[1]} failed: {why}" for m, why in runner.marks.items() if m.startswith("failed:")]
+    fails = [f"- arm {m.split(':')[1]} failed: {why}" for m, why in state.marks.items() if m.startswith("failed:")]
     fails += [f"- run `{r['run']}`: {r['status']}: {r['reason']}" for r in table
               if r["status"] in ("crashed", "timeout", "bad_config", "diverged", "collapsed", "cancelled")]
-    if runner.duplicates:
-        fails.append(f"- DUPLICATE results (a bug): {runner.duplicates}")
+    if state.duplicates:
+        fails.append(f"- DUPLICATE results (a bug): {state.duplicates}")
     lines += fails or ["- none"]
     lines += ["", "## Plots", "", "![curves](curves.png)", "", "![effect sizes](forest.png)", "",
               "![runs and pruning over time](pruning.png)", "",

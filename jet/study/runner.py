@@ -35,18 +35,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
 import anyio
 import orjson
 
-from jet.keys import Keys
 from jet.study import analysis, ledger
-from jet.study.messages import COUNTED, RunRequest, RunResult
-from jet.study.plan import Arm, Plan
+from jet.study.messages import RunRequest
+from jet.study.plan import Arm
 from jet.study.spec import Study
+from jet.study.state import StudyState, run_name
 
 log = logging.getLogger(__name__)
 
@@ -55,41 +54,6 @@ REPORT_EVERY_S = 30.0
 LOCKED = ("base", "set", "seed_set", "space", "arms", "seeds", "metric", "hypotheses")  # fixed once started
 
 
-class Decisions:
-    """decisions.jsonl: one JSON line per decision, each key written once (a resumed runner repeats nothing)."""
-
-    def __init__(self, path: Path):
-        self.path, self.keys = path, set()
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    self.keys.add(json.loads(line)["key"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-
-    def log(self, key: str, kind: str, **fields) -> bool:
-        if key in self.keys:
-            return False
-        self.keys.add(key)
-        with open(self.path, "ab") as f:
-            f.write(orjson.dumps({"time": time.time(), "key": key, "kind": kind, **fields},
-                                 option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-        log.info("%s: %s", kind, fields.get("why") or fields)
-        return True
-
-    def read(self) -> list[dict]:
-        out = []
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
-
-
-def run_name(study: str, arm: int, seed: int) -> str:
-    return f"{study}-t{arm}-s{seed}"
 
 
 def check_arm(study: Study, params: dict) -> tuple[str | None, int, str | None]:
@@ -117,25 +81,12 @@ def overrides_of(study: Study, params: dict) -> list[str]:
     return list(study.set) + list(study.seed_set) + [f"{k}={json.dumps(v)}" for k, v in params.items()]
 
 
-class Runner:
+class Runner(StudyState):
     def __init__(self, study: Study, url: str, folder: Path, llm=None):
-        self.study, self.url, self.folder = study, url, folder
-        self.keys = Keys.for_study(study.name)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.plan = Plan(study, folder)
-        self.decisions = Decisions(folder / "decisions.jsonl")
-        self.llm = llm  # jet.study.llm_planner.LLMPlanner when planner.kind == 'llm'
-        self.results: dict[str, RunResult] = {}
-        self.duplicates: list[str] = []  # results seen twice for one run (must stay empty)
-        self.curves: dict[str, dict[int, float]] = {}
-        self.launched: dict[str, RunRequest] = {}
-        self.stops: dict[str, str] = {}
-        self.arms: dict[int, Arm] = {}
-        self.marks: dict[str, str] = {}  # pruned:<arm> / failed:<arm> / stage:<k> / refused:<why>
-        self._cursors = {"results": "0", "progress": "0"}
+        super().__init__(study, url, folder)
+        self.llm = llm
         self._checked: dict[int, tuple[str | None, int, str | None]] = {}
-        self.ended: str | None = None
-        self.r = None
+        self._exhausted = False
 
     # -- set-up
 
@@ -173,15 +124,6 @@ class Runner:
                 if params not in [a.params for a in self.arms.values()]:
                     self._asked(self.plan.ask(params), "grid")
 
-    def forced(self) -> list[dict]:
-        """Arms the hypotheses name: asked before any other."""
-        out = []
-        for h in self.study.hypotheses:
-            for side in (h.treatment, h.control):
-                if side != "best" and side not in out:
-                    out.append(dict(side))
-        return out
-
     def _asked(self, arm: Arm | None, how: str, rationale: str = "") -> Arm | None:
         if arm is None:
             return None
@@ -189,42 +131,6 @@ class Runner:
         self.decisions.log(f"ask:{arm.number}", "ask", arm=arm.number, params=arm.params, how=how,
                            rationale=rationale, why=f"arm {arm.number} ({how}): {arm.params}")
         return arm
-
-    # -- state from Redis
-
-    async def refresh(self) -> None:
-        r, url, k = self.r, self.url, self.keys
-        for entry, res in await ledger.results(r, url, k, self._cursors["results"]):
-            self._cursors["results"] = entry
-            if res.run in self.results:
-                self.duplicates.append(res.run)
-                continue
-            self.results[res.run] = res
-        for entry, p in await ledger.progress(r, url, k, self._cursors["progress"]):
-            self._cursors["progress"] = entry
-            self.curves.setdefault(p.run, {})[p.step] = p.value
-        self.launched = await ledger.launched(r, url, k)
-        self.stops = await ledger.stops(r, url, k)
-        with_prefix = await self.r.hgetall(k.study_state)
-        self.marks = {a.decode(): b.decode() for a, b in with_prefix.items()
-                      if a.split(b":", 1)[0] in (b"pruned", b"failed", b"stage", b"refused")}
-
-    def in_flight(self) -> list[str]:
-        return [run for run in self.launched if run not in self.results]
-
-    def stage(self) -> int:
-        return max([int(m.split(":")[1]) for m in self.marks if m.startswith("stage:")], default=0)
-
-    def stage_plan(self, k: int) -> dict:
-        if k == 0:
-            return {"arms": sorted(self.arms), "seeds": list(self.study.seeds), "best": {}}
-        return orjson.loads(self.marks[f"stage:{k}"])
-
-    def best(self) -> dict[str, int]:
-        return self.stage_plan(self.stage()).get("best", {}) if self.stage() else {}
-
-    def gone(self, arm: int) -> bool:
-        return f"pruned:{arm}" in self.marks or f"failed:{arm}" in self.marks
 
     async def mark(self, name: str, value) -> bool:
         text = value if isinstance(value, str) else orjson.dumps(value).decode()
@@ -281,11 +187,6 @@ class Runner:
             if req.trial == arm and run not in self.results:
                 await ledger.request_stop(self.r, self.url, self.keys, run, f"cancel: arm {arm} failed: {reason}")
 
-    def curve(self, run: str) -> list[tuple[int, float]]:
-        if run in self.results:
-            return list(self.results[run].curve)
-        return sorted(self.curves.get(run, {}).items())
-
     async def prune(self) -> None:
         from jet.study.prune import Rule, decide
 
@@ -308,10 +209,6 @@ class Runner:
                 if req.trial == d.arm and run not in self.results:
                     await ledger.request_stop(self.r, self.url, self.keys, run, f"prune: {d.reason}")
 
-    def settled(self, arm: int) -> bool:
-        """All of the arm's screening runs have results."""
-        return all(run_name(self.study.name, arm, s) in self.results for s in self.study.seeds)
-
     def tell(self) -> None:
         """Optuna learns each screening arm's end: its mean summary, or pruned / failed."""
         sums = analysis.summaries(self.study, list(self.arms.values()), list(self.results.values()))
@@ -332,9 +229,6 @@ class Runner:
                 self.arms[n] = Arm(n, arm.params, state)
 
     # -- launching
-
-    def runs_left(self) -> int:
-        return self.study.budget.max_runs - len(self.launched)
 
     def candidate(self, k: int) -> tuple[int, int, int] | None:
         """The next run of stage `k` to launch: (arm, seed, runs of its pair group not launched yet)."""
@@ -358,8 +252,6 @@ class Runner:
             return False
         asked = len(self.arms)
         return asked < max(self.study.planner.trials or 0, len(self.forced())) and not self._exhausted
-
-    _exhausted = False
 
     def pending(self) -> bool:
         c = self.candidate(self.stage())
@@ -416,15 +308,6 @@ class Runner:
 
     # -- stages
 
-    def summaries(self) -> dict[int, analysis.ArmSummary]:
-        return analysis.summaries(self.study, list(self.arms.values()), list(self.results.values()))
-
-    def used_seeds(self) -> list[int]:
-        seeds = list(self.study.seeds)
-        for k in range(1, self.stage() + 1):
-            seeds += self.stage_plan(k)["seeds"]
-        return seeds
-
     async def next_stage(self) -> str | None:
         """The current stage is settled: end the study, or start a confirmation round."""
         k = self.stage()
@@ -453,18 +336,6 @@ class Runner:
         return None
 
     # -- the loop
-
-    async def load(self) -> None:
-        """Read-only: the study's state, for `jet study status` and `jet study report` (no lease taken)."""
-        from jet.queues.connect import connect
-
-        self.r = await connect(self.url)
-        started = await ledger.get_field(self.r, self.url, self.keys, "started:study")
-        self.started = float(started) if started else time.time()
-        await self.refresh()
-        self.arms = {a.number: a for a in self.plan.arms()}
-        ended = [d for d in self.decisions.read() if d.get("kind") == "end"]
-        self.ended = ended[-1]["why"] if ended else None
 
     async def run(self, stop: anyio.Event, say=lambda text: None, on_tick=None) -> str:
         from jet.study import report
@@ -499,26 +370,3 @@ class Runner:
                     if hasattr(self, "lease"):
                         await self.lease.release()
                     await self.r.aclose()
-
-
-class LocalWorkers:
-    """`jet study run`'s own study workers: N supervised processes (restarted when they crash) that
-    drain if this process dies (they watch it)."""
-
-    def __init__(self, study: str, url: str, folder: Path, n: int):
-        from jet.supervisor import Child, Supervisor
-
-        argv = lambda i: [sys.executable, "-m", "jet.study.worker", study, "--redis-url", url,  # noqa: E731
-                          "--dir", str(folder), "--slot", str(i)]
-        self.sup = Supervisor(lambda bank: [Child(f"study-worker-{i}", argv(i), log=folder / "logs" / f"worker-{i}.log")
-                                            for i in range(n)])
-
-    def start(self) -> None:
-        self.sup.start()
-
-    def poll(self) -> None:
-        self.sup.poll()
-
-    def stop(self, timeout: float) -> None:
-        self.sup.stop()
-        self.sup.wait(timeout)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import anyio
@@ -96,6 +97,29 @@ async def serve(url: str, study: str, slot: int | str, study_dir: Path, stop: an
             await r.aclose()
 
 
+class LocalWorkers:
+    """`jet study run`'s own study workers: N supervised processes (restarted when they crash) that
+    drain if this process dies (they watch it)."""
+
+    def __init__(self, study: str, url: str, folder: Path, n: int):
+        from jet.supervisor import Child, Supervisor
+
+        argv = lambda i: [sys.executable, "-m", "jet.study.worker", study, "--redis-url", url,  # noqa: E731
+                          "--dir", str(folder), "--slot", str(i)]
+        self.sup = Supervisor(lambda bank: [Child(f"study-worker-{i}", argv(i), log=folder / "logs" / f"worker-{i}.log")
+                                            for i in range(n)])
+
+    def start(self) -> None:
+        self.sup.start()
+
+    def poll(self) -> None:
+        self.sup.poll()
+
+    def stop(self, timeout: float) -> None:
+        self.sup.stop()
+        self.sup.wait(timeout)
+
+
 @click.command("worker")
 @click.argument("study")
 @click.option("-n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
@@ -104,8 +128,6 @@ async def serve(url: str, study: str, slot: int | str, study_dir: Path, stop: an
 @click.option("--dir", "study_dir", default=None, help="Folder of this study's runs here (default studies/STUDY).")
 def cli(study, n, slot, redis_url, study_dir) -> None:
     """Execute STUDY's runs (each an ordinary `jet up`), one at a time per process."""
-    import sys
-
     from jet.cliopts import resolve_url
     from jet.supervisor import Child, Supervisor, run_role
 

@@ -36,7 +36,7 @@ from jet.models import init_model
 from jet.queues.connect import connect
 from jet.study.llm_planner import LLMPlanner
 from jet.study.runner import Runner
-from jet.study.spec import parse_study
+from jet.study.studyfile import parse_study
 from jet.workers.gateway_auth import Signer
 from jet.workers.gateway_episodes import Episodes
 from tests.study.conftest import ROOT, base_config
