@@ -29,6 +29,12 @@ def _load(target: str, overrides: tuple[str, ...], studies_dir: str):
     from jet.study.studyfile import apply_override, load_study, parse_study
 
     try:
+        if target.startswith("builtin:"):
+            builtin = Path(__file__).parent / "builtin" / f"{target.split(':', 1)[1]}.yaml"
+            if not builtin.is_file():
+                names = sorted(p.stem for p in builtin.parent.glob("*.yaml") if p.stem != "guess")
+                raise click.UsageError(f"no built-in study {target!r}; built-in: {', '.join(names)}")
+            return load_study(builtin, overrides)
         if Path(target).is_file():
             return load_study(target, overrides)
         saved = Path(studies_dir) / target / "study.json"
@@ -111,13 +117,14 @@ def study() -> None:
 
 
 @study.command("run")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a study file value.")
 @click.option("--workers", type=click.IntRange(min=0), default=2, show_default=True,
               help="Local study workers (0: they run elsewhere, `jet study worker NAME`).")
 @redis_url_option
 def run_cmd(file, overrides, workers, redis_url) -> None:
-    """Run the study in FILE to its end (or continue it): plan, launch, prune, judge, confirm, report."""
+    """Run the study in FILE (or builtin:NAME) to its end, or continue it: plan, launch, prune, judge,
+    confirm, report."""
     _run(_load(file, overrides, "studies"), redis_url, workers)
 
 

@@ -62,6 +62,8 @@ class StudyProcs:
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         env = {**os.environ, "JET_REDIS_URL": self.url, "JET_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+        if not self.url:  # the study's own embedded server
+            env.pop("JET_REDIS_URL")
         out = open(self.folder / f"{name}-{len(self.all)}.out", "w")
         p = subprocess.Popen([sys.executable, "-m", "jet.cli", "study", *args], cwd=self.folder, env=env,
                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
