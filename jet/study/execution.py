@@ -212,8 +212,8 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     try:
         while proc.poll() is None:
             offset = await _stream(r, url, keys, req, mpath, sent, offset)
-            if not told:
-                drain = draining.is_set()
+            if not told:  # a paused study (`jet study stop`) drains its runs like a stopping worker
+                drain = draining.is_set() or bool(await ledger.get_field(r, url, keys, "paused"))
                 if not drain:
                     stop = await ledger.stop_reason(r, url, keys, req.run)
                     timed_out = time.time() - started >= req.timeout_s
@@ -228,7 +228,8 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     await _stream(r, url, keys, req, mpath, sent, offset)
     rows = read_rows(mpath)
     if drain or proc.returncode == EXIT_NO_LEASE:
-        return Retry("the study worker is draining: the run resumes from its checkpoint on the next attempt")
+        return Retry("the study worker is draining or the study is paused: the run resumes from its checkpoint "
+                     "on the next attempt")
     status, reason = classify(proc.returncode, rows, req, stop, timed_out, _tail(files.log))
     if status == "retry":
         crashes = await ledger.count_crash(r, url, keys, req.run)

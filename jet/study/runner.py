@@ -218,8 +218,7 @@ class Runner(StudyState):
             state, value = None, None
             if f"failed:{n}" in self.marks:
                 state = "failed"
-            elif f"pruned:{n}" in self.marks and not any(r in self.launched for r in self.in_flight()
-                                                         if self.launched[r].trial == n):
+            elif f"pruned:{n}" in self.marks and not any(self.launched[r].trial == n for r in self.in_flight()):
                 state = "pruned"
             elif self.settled(n):
                 value = sums[n].mean(0)

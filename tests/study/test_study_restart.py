@@ -99,3 +99,30 @@ def test_a_crash_of_runner_and_redis_loses_nothing(tmp_path, study_model):
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
+
+
+def test_stop_pauses_the_study_and_resume_continues_it(tmp_path, redis_url, study_model):
+    base_config(tmp_path, study_model)
+    name = f"pause-{uuid.uuid4().hex[:6]}"
+    path = write_study(tmp_path, {
+        "name": name, "space": {"trainer.lr": {"choices": [2e-3, 1e-3]}}, "seeds": [0, 1],
+        "metric": {"name": "train/lr", "window": 1}, "budget": {"max_runs": 8, "max_concurrent_runs": 2}})
+    folder, where = tmp_path / "studies" / name, ["--redis-url", redis_url, "--studies-dir", str(tmp_path / "studies")]
+    procs = StudyProcs(tmp_path, redis_url)
+    try:
+        runner = procs.start("runner", "run", str(path), "--workers", "0", "--redis-url", redis_url)
+        anyio.run(finish, redis_url, name, 1, "scripted-a")
+        assert procs.start("stop", "stop", name, *where).wait(60) == 0
+        assert runner.wait(60) == 0
+        assert "ended: paused" in (folder / "report.md").read_text()
+        launched = len(study_state(redis_url, name)["launched"])
+        time.sleep(2)
+        assert len(study_state(redis_url, name)["launched"]) == launched  # nothing launches while paused
+        resumed = procs.start("resume", "resume", name, "--workers", "0", *where)
+        rest = anyio.run(finish, redis_url, name, 3, "scripted-b")
+        assert resumed.wait(60) == 0
+        st = study_state(redis_url, name)
+        assert len(rest) == 3 and sorted(r.run for r in st["results"]) == sorted(st["launched"])
+        assert "ended: paused" not in (folder / "report.md").read_text()
+    finally:
+        procs.stop_all()
