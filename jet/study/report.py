@@ -129,7 +129,7 @@ def curves_png(state, sums, path: Path) -> None:
 
 def forest_png(state, verdicts, path: Path) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.6 * max(1, len(verdicts))))
+    fig, ax = plt.subplots(figsize=(7.5, 1.3 + 0.6 * max(1, len(verdicts))))
     for i, v in enumerate(verdicts):
         e = v.evidence
         if not e.diffs:
@@ -141,8 +141,8 @@ def forest_png(state, verdicts, path: Path) -> None:
     ax.axvline(0.0, color="black", lw=0.8)
     ax.set_yticks(range(len(verdicts)), [f"{v.name}\n{v.verdict} (n={len(v.evidence.diffs)})" for v in verdicts],
                   fontsize=8)
-    ax.set_xlabel(f"paired difference treatment - control ({state.study.metric.name}; > 0 = treatment better)")
-    ax.set_title(f"effect sizes, {state.study.confidence:.0%} bootstrap intervals")
+    ax.set_xlabel(f"paired difference, treatment - control ({state.study.metric.name})")
+    ax.set_title(f"effect sizes (> 0: treatment better), {state.study.confidence:.0%} bootstrap intervals")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -174,7 +174,7 @@ def timeline_png(state, path: Path) -> None:
     if labels:
         ax.set_yticks([i for i, _ in labels], [x for _, x in labels], fontsize=7)
     ax.set_xlabel("minutes since the study started")
-    ax.set_title("runs over time (green completed, purple pruned, orange diverged/collapsed, gray stopped)")
+    ax.set_title("runs over time: green completed, purple pruned,\norange diverged or collapsed, gray stopped", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -182,7 +182,7 @@ def timeline_png(state, path: Path) -> None:
 
 def markdown(state, sums, verdicts, table) -> str:
     s, b = state.study, state.study.budget
-    elapsed = time.time() - state.started
+    elapsed = (state.ended_at or time.time()) - state.started
     lines = [f"# Study `{s.name}`", "", f"**Question.** {s.question}", "",
              f"- base config: `{s.base}`; overrides of every run: {', '.join(f'`{x}`' for x in s.set) or 'none'}",
              f"- metric: `{s.metric.name}` ({s.metric.mode}; a run's summary: {s.metric.summary}, window "
@@ -212,8 +212,9 @@ def markdown(state, sums, verdicts, table) -> str:
     lines += ["", "## Stages", ""]
     for k in range(state.stage() + 1):
         p = state.stage_plan(k)
+        why = p.get("why", "").split("): ", 1)[-1]
         lines.append(f"- stage {k} ({'screening' if k == 0 else 'confirmation'}): arms {p['arms']}, seeds {p['seeds']}"
-                     + (f" — {p['why']}" if p.get("why") else ""))
+                     + (f"; why: {why}" if why else ""))
     lines += ["", "## Pruned", ""]
     pruned = [(m.split(":")[1], why) for m, why in state.marks.items() if m.startswith("pruned:")]
     lines += [f"- arm {a}: {why} (its partial curves are in curves.png, dashed)" for a, why in sorted(pruned)] or ["- none"]

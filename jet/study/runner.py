@@ -361,6 +361,7 @@ class Runner(StudyState):
             self.tell()
             if not self.ended.startswith(("paused", "stopped by")):
                 self.decisions.log("end", "end", why=self.ended)
+                self.ended_at = time.time()
             await anyio.to_thread.run_sync(report.write, self, True)
             return self.ended
         finally:

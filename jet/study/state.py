@@ -83,6 +83,7 @@ class StudyState:
         self._cursors = {"results": "0", "progress": "0"}
         self.started = time.time()
         self.ended: str | None = None
+        self.ended_at: float | None = None  # unix time the study ended (its wall time stops there)
         self.r = None
 
     def forced(self) -> list[dict]:
@@ -160,4 +161,5 @@ class StudyState:
         self.arms = {a.number: a for a in self.plan.arms()}
         ended = [d for d in self.decisions.read() if d.get("kind") == "end"]
         self.ended = ended[-1]["why"] if ended else None
+        self.ended_at = ended[-1]["time"] if ended else None
 
