@@ -57,7 +57,7 @@ def study_server(folder: Path, url: str | None):
     from jet.queues.server import EmbeddedServer, discovered_url
 
     found = discovered_url(folder)
-    if found:
+    if found and _answers(found):  # a server.json of a crashed server (a zombie pid) is not a server
         yield found
         return
     server = EmbeddedServer(folder).start()
@@ -65,6 +65,18 @@ def study_server(folder: Path, url: str | None):
         yield server.url
     finally:
         server.stop()
+
+
+def _answers(url: str) -> bool:
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379), timeout=2.0):
+            return True
+    except OSError:
+        return False
 
 
 redis_url_option = click.option("--redis-url", envvar="JET_REDIS_URL", default=None,
