@@ -2,13 +2,17 @@
 
 What it is: a consumer of `gen:<model>` (group `infer`, consumer
 `<host>-infer-<model>-<slot>`) that takes up to `models[].max_batch` requests
-at a time (`jet.queues.serve`), generates them with the backend in one batch
-(`hf`: a thread; `vllm`: its async engine), and answers each on the
-requester's reply stream with a GenResult. The reply XADD, the request's ack
-and its idempotency marker commit in one atomic step, so a request reclaimed
-from a crashed worker or retried by the client is answered at most once.
-Between batches it loads the newest weights announced on `weights:<model>`
-(`jet.workers.weights`); every reply carries the version it was generated with.
+at a time (`jet.queues.serve`), hands each to the backend's per-request API
+(`agenerate_one`: `hf` decodes the calls in flight together, joining and
+leaving between steps, `jet.workers.hf_engine`; `vllm` is its async engine),
+and answers each on the requester's reply stream with a GenResult. The reply
+XADD, the request's ack and its idempotency marker commit in one atomic step,
+so a request reclaimed from a crashed worker or retried by the client is
+answered at most once. Weights announced on `weights:<model>` are checked and
+loaded as they come (`jet.workers.weights`): the backend's gate lets the
+requests in flight finish and holds new ones back meanwhile, so every reply
+carries the one version its tokens came from, and bad announcements are
+dead-lettered while the old weights keep serving.
 
 Requests that cannot be served get a reason, never a crash: an over-long or
 invalid request gets an error reply (from the backend); a malformed one goes to
@@ -21,11 +25,11 @@ What it is not: a scheduler across workers (more throughput = more processes).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import anyio
@@ -48,24 +52,24 @@ log = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 1.0  # clock skew tolerated between client and worker (s)
 
 
-def make_backend(kind: str, path: str, device: str) -> Any:
+def make_backend(kind: str, path: str, device: str, max_inflight: int = 64) -> Any:
     """Load the backend (blocking: call from a thread)."""
     if kind == "hf":
         from jet.workers.hf_backend import HFBackend
 
-        return HFBackend(path, device=device)
+        return HFBackend(path, device=device, max_inflight=max_inflight)
     if kind == "vllm":
         from jet.workers.vllm_backend import VLLMBackend
 
-        return VLLMBackend(path, device=device)
+        return VLLMBackend(path, device=device, max_num_seqs=max_inflight)
     raise ValueError(f"unknown backend {kind!r}; expected 'hf' or 'vllm'")
 
 
 class Handler:
     """Turns a batch of deliveries of `gen:<model>` into replies."""
 
-    def __init__(self, c: Consumer, backend: Any, follower: WeightFollower, model: str):
-        self.c, self.backend, self.follower, self.model = c, backend, follower, model
+    def __init__(self, c: Consumer, backend: Any, model: str):
+        self.c, self.backend, self.model = c, backend, model
 
     async def __call__(self, batch: list[Delivery]) -> list[list]:
         results: list[list] = [[] for _ in batch]
@@ -83,11 +87,13 @@ class Handler:
         skip += [batch[i] for i, req in todo if req.reply_to in gone]
         todo = [(i, req) for i, req in todo if req.reply_to not in gone]
         await self._skip(skip)
-        if todo:
-            await self.follower.apply(self.backend)  # between batches: one version per batch
-            outs = await self._generate([req for _, req in todo])
-            for (i, req), out in zip(todo, outs):
-                results[i] = [(req.reply_to, self._result(req, out).to_fields())]
+        async def one(i: int, req: GenRequest) -> None:
+            out = await self.backend.agenerate_one(list(req.prompt_ids), sampling(req))
+            results[i] = [(req.reply_to, self._result(req, out).to_fields())]
+
+        async with anyio.create_task_group() as tg:  # decoded together in the engine
+            for i, req in todo:
+                tg.start_soon(one, i, req)
         return results
 
     async def _decode(self, d: Delivery) -> GenRequest | None:
@@ -120,18 +126,20 @@ class Handler:
                 await self.c.r.hincrby(self.c.keys.stats, "gen_skipped", len(ds))
             log.info("skipped %d requests whose client gave up or is gone", len(ds))
 
-    async def _generate(self, reqs: list[GenRequest]) -> list:
-        prompts = [list(r.prompt_ids) for r in reqs]
-        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                 stop_token_ids=r.stop_token_ids, seed=r.seed) for r in reqs]
-        if inspect.iscoroutinefunction(getattr(self.backend, "agenerate", None)):
-            return await self.backend.agenerate(prompts, params)
-        return await anyio.to_thread.run_sync(self.backend.generate, prompts, params)
-
     def _result(self, req: GenRequest, out) -> GenResult:
         return GenResult(request_id=req.msg_id, model=self.model, token_ids=out.token_ids,
                          logprobs=out.logprobs, finish_reason=out.finish_reason, version=out.version,
                          error=out.error, worker=self.c.name)
+
+
+def sampling(req: GenRequest) -> SamplingParams:
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
+                          stop_token_ids=req.stop_token_ids, seed=req.seed)
+
+
+def weights_roots(cfg: JetConfig, model: str) -> list[Path]:
+    """Where weight announcements of `model` may point: the run's weights folder, and the configured roots."""
+    return [cfg.run_dir / "weights" / model, *map(Path, cfg.model(model).weights_roots)]
 
 
 async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: int = 0,
@@ -140,20 +148,20 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
     m = cfg.model(model)
     keys, settings = Keys(cfg.run), queue_settings(cfg, m.max_batch)
     if backend is None:
-        backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device)
+        backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
+                                                 m.max_inflight)
     name = consumer_name(f"infer-{model}", slot)
     r = await retry_forever(lambda: connect(url, name=name), url=url, what="connect")
     rb = await connect(url, block_ms=settings.block_ms, name=name)
     rw = await connect(url, block_ms=settings.block_ms, name=name)
     c = Consumer(r, rb, url, keys, keys.gen(model), GROUP_INFER, name, settings)
-    follower = WeightFollower(rw, url, keys, model, settings.block_ms)
+    follower = WeightFollower(r, rw, url, keys, model, name, weights_roots(cfg, model), settings.block_ms)
     try:
-        await follower.catch_up()
-        await follower.apply(backend)
+        await follower.catch_up(backend)
         log.info("%s serving %s (weight version %d, batch %d)", name, model, backend.version, m.max_batch)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(follower.run)
-            await serve(c, Handler(c, backend, follower, model), stop)
+            tg.start_soon(follower.run, backend)
+            await serve(c, Handler(c, backend, model), stop)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
