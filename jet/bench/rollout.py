@@ -1,0 +1,240 @@
+"""`jet bench rollout`: generated tokens/s of an inference backend, served four ways, in one run.
+
+What it is: one random tiny model (head_dim 64, so vLLM's CPU build runs it
+too) and one workload: `requests` prompts whose completion lengths are heavy
+tailed (Pareto, alpha 1.2: most short, a few up to `max_len`; EOS is ignored
+so a request's length is its max_tokens), seeded, so every mode generates
+the same tokens. Per backend (`hf`, and `vllm` where it is installed):
+
+- `direct`: `concurrency` in-process callers of `backend.agenerate_one`, each
+  taking the next request as soon as its last one completed (continuous);
+- `full path`: the same callers through `jet.llm` (GenRequest on `gen:`, an
+  inference worker `jet.workers.infer.run` in this process with the same
+  backend object, the reply stream), against an embedded server;
+- `batch-synchronous`: batches of `concurrency` requests, each batch waiting
+  for its longest completion before the next starts (how the worker served
+  before per-request serving);
+- `continuous` is `direct`.
+
+Printed comparisons, each with its `ratio`: full path / direct (goal >= 0.8)
+and continuous / batch-synchronous (goal >= 1.5 on this heavy-tailed load).
+
+What it is not: a model-speed benchmark (the model is tiny, so per-token
+overheads weigh more than on a real model), or a test: the ratios are measured,
+never asserted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import random
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import click
+
+from jet.bench import emit, progress, redis_url_option, server_url
+
+MODEL = "bench"
+DEFAULTS = {"requests": 96, "concurrency": 16, "max_len": 192, "prompt_len": 24}
+QUICK = {"requests": 12, "concurrency": 4, "max_len": 24, "prompt_len": 8}
+GOALS = {"full_path_vs_direct": 0.8, "continuous_vs_batch_synchronous": 1.5}
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+
+
+def workload(n: int, max_len: int, prompt_len: int, vocab: int, seed: int = 0) -> list[Request]:
+    """`n` requests with Pareto(1.2) completion lengths in [2, max_len]."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = min(max_len, max(2, math.ceil(2 * rnd.paretovariate(1.2))))
+        prompt = [rnd.randrange(3, vocab) for _ in range(rnd.randint(prompt_len // 2, prompt_len))]
+        out.append(Request(prompt, length, seed * 100_000 + i))
+    return out
+
+
+def bench_model(folder: Path) -> Path:
+    from jet.models import init_model
+
+    return init_model(folder, vocab_size=512, hidden_size=128, layers=2, heads=2, kv_heads=1, max_position=512,
+                      seed=0)
+
+
+def params_of(r: Request):
+    from jet.workers.hf_backend import SamplingParams
+
+    return SamplingParams(temperature=1.0, max_tokens=r.max_tokens, seed=r.seed)
+
+
+def make_backend(kind: str, model_dir: Path, concurrency: int):
+    if kind == "hf":
+        from jet.workers.hf_backend import HFBackend
+
+        backend = HFBackend(model_dir, max_inflight=concurrency)
+        backend.eos_ids = frozenset()  # lengths are the workload's, not the random model's
+        return backend
+    from jet.workers.vllm_backend import VLLMBackend
+    from vllm.platforms import current_platform
+
+    return VLLMBackend(model_dir, device="cpu" if current_platform.is_cpu() else "cuda", dtype="float32",
+                       gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=concurrency)
+
+
+async def closed_loop(reqs: list[Request], concurrency: int, call) -> int:
+    """`concurrency` callers, each awaiting `call(request)` (-> tokens generated) on the next request."""
+    queue, total = list(reversed(reqs)), [0]
+
+    async def caller() -> None:
+        while queue:
+            tokens = await call(queue.pop())
+            total[0] += tokens
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(caller)
+    return total[0]
+
+
+async def direct(backend, reqs: list[Request], concurrency: int) -> int:
+    async def call(r: Request) -> int:
+        return len((await backend.agenerate_one(r.prompt, params_of(r))).token_ids)
+
+    return await closed_loop(reqs, concurrency, call)
+
+
+async def batch_synchronous(backend, reqs: list[Request], concurrency: int) -> int:
+    total = 0
+    for i in range(0, len(reqs), concurrency):
+        batch = reqs[i:i + concurrency]
+        outs = [0] * len(batch)
+
+        async def one(k: int) -> None:
+            outs[k] = len((await backend.agenerate_one(batch[k].prompt, params_of(batch[k]))).token_ids)
+
+        async with anyio.create_task_group() as tg:
+            for k in range(len(batch)):
+                tg.start_soon(one, k)
+        total += sum(outs)
+    return total
+
+
+async def full_path(backend, reqs: list[Request], concurrency: int, url: str, model_dir: Path, tmp: Path) -> int:
+    from jet.config import load as load_config
+    from jet.keys import Keys
+    from jet.llm import Tokenizers, open_client
+    from jet.workers import infer
+
+    run = f"rollout{uuid.uuid4().hex[:8]}"
+    cfg = load_config({"run": run, "runs_dir": str(tmp / "runs"), "queues": {"block_ms": 100},
+                       "models": [{"name": MODEL, "path": str(model_dir), "max_batch": concurrency,
+                                   "max_inflight": concurrency}]})
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: infer.run(cfg, MODEL, url, stop, backend=backend))
+        async with open_client(url, Keys(run), Tokenizers({MODEL: str(model_dir)}), timeout_s=600) as client:
+            llm = client.session("bench", MODEL)
+            await llm.generate([5, 6], max_tokens=1)  # the worker is up
+
+            async def call(r: Request) -> int:
+                out = await llm.generate(r.prompt, max_tokens=r.max_tokens, temperature=1.0, seed=r.seed)
+                return len(out.token_ids)
+
+            t0 = time.perf_counter()
+            tokens = await closed_loop(reqs, concurrency, call)
+            elapsed = time.perf_counter() - t0
+        stop.set()
+    return tokens, elapsed
+
+
+async def timed(coro) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    tokens = await coro
+    return tokens, time.perf_counter() - t0
+
+
+def comparison(backend: str, name: str, measured: dict, baseline: dict) -> dict:
+    return {"backend": backend, "comparison": name, "tokens_per_s": measured["tokens_per_s"],
+            "baseline_tokens_per_s": baseline["tokens_per_s"],
+            "ratio": round(measured["tokens_per_s"] / baseline["tokens_per_s"], 3), "goal": GOALS[name]}
+
+
+def mode(tokens: int, seconds: float) -> dict:
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+
+
+async def measure_backend(kind: str, p: dict, model_dir: Path, url: str, tmp: Path, say) -> dict:
+    backend = await anyio.to_thread.run_sync(make_backend, kind, model_dir, p["concurrency"])
+    try:
+        reqs = workload(p["requests"], p["max_len"], p["prompt_len"], backend.vocab_size)
+        await direct(backend, reqs[:p["concurrency"]], p["concurrency"])  # warm up (kernels, allocator)
+        modes = {}
+        modes["continuous"] = mode(*await timed(direct(backend, reqs, p["concurrency"])))
+        say(f"{kind}: continuous (direct) {modes['continuous']['tokens_per_s']} tokens/s")
+        modes["batch_synchronous"] = mode(*await timed(batch_synchronous(backend, reqs, p["concurrency"])))
+        say(f"{kind}: batch-synchronous {modes['batch_synchronous']['tokens_per_s']} tokens/s")
+        modes["full_path"] = mode(*await full_path(backend, reqs, p["concurrency"], url, model_dir, tmp))
+        say(f"{kind}: full path {modes['full_path']['tokens_per_s']} tokens/s")
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+    return {"backend": kind, "modes": modes,
+            "comparisons": [comparison(kind, "full_path_vs_direct", modes["full_path"], modes["continuous"]),
+                            comparison(kind, "continuous_vs_batch_synchronous", modes["continuous"],
+                                       modes["batch_synchronous"])]}
+
+
+def table(report: dict):
+    from rich.table import Table
+
+    t = Table(title=f"jet bench rollout: {report['workload']}")
+    for col in ("backend", "comparison", "tokens/s", "baseline tokens/s", "ratio", "goal"):
+        t.add_column(col)
+    for c in report["comparisons"]:
+        t.add_row(c["backend"], c["comparison"], str(c["tokens_per_s"]), str(c["baseline_tokens_per_s"]),
+                  f"{c['ratio']:.2f}", f">= {c['goal']}")
+    return t
+
+
+@click.command("rollout")
+@click.option("--backend", "backends", type=click.Choice(["hf", "vllm", "all"]), default="all", show_default=True,
+              help="'all': hf, and vllm where it is installed.")
+@click.option("--requests", type=click.IntRange(min=1), default=None, help=f"Default {DEFAULTS['requests']}.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None,
+              help=f"Requests in flight (and the batch size of batch-synchronous). Default {DEFAULTS['concurrency']}.")
+@click.option("--quick", is_flag=True, help="A tiny workload (for tests).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@redis_url_option
+def cli(backends, requests, concurrency, quick, as_json, redis_url) -> None:
+    """Tokens/s: backend direct vs the full path, continuous vs batch-synchronous serving."""
+    p = dict(QUICK if quick else DEFAULTS)
+    p.update({k: v for k, v in {"requests": requests, "concurrency": concurrency}.items() if v})
+    kinds = ["hf", "vllm"] if backends == "all" else [backends]
+    if backends == "all" and importlib.util.find_spec("vllm") is None:
+        kinds = ["hf"]
+    say = progress(as_json)
+    with tempfile.TemporaryDirectory(prefix="jet-bench-rollout-") as tmp_name:
+        tmp = Path(tmp_name)
+        with server_url(redis_url, tmp / "server") as url:
+            model_dir = bench_model(tmp / "model")
+            results = [anyio.run(measure_backend, kind, p, model_dir, url, tmp, say) for kind in kinds]
+    report = {"workload": (f"{p['requests']} requests, Pareto(1.2) lengths 2..{p['max_len']}, "
+                           f"{p['concurrency']} in flight"), "params": p, "backends": results,
+              "comparisons": [c for r in results for c in r["comparisons"]]}
+    emit(report, as_json, table)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        cli()
