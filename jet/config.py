@@ -103,6 +103,8 @@ class ModelConfig:
     device: str = "cpu"
     # Generation requests batched together by one inference worker (requests).
     max_batch: int = 16
+    # Inference dtype; float32 gives the logprobs a float32 trainer recomputes (bfloat16 is faster on GPUs).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Generation requests one inference worker decodes at once, each answered as it completes (requests).
     max_inflight: int = 64
     # Folders weight announcements may point into besides <runs_dir>/<run>/weights/<model> (paths).

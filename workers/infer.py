@@ -52,16 +52,16 @@ log = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 1.0  # clock skew tolerated between client and worker (s)
 
 
-def make_backend(kind: str, path: str, device: str, max_inflight: int = 64) -> Any:
+def make_backend(kind: str, path: str, device: str, max_inflight: int = 64, dtype: str = "float32") -> Any:
     """Load the backend (blocking: call from a thread)."""
     if kind == "hf":
         from jet.workers.hf_backend import HFBackend
 
-        return HFBackend(path, device=device, max_inflight=max_inflight)
+        return HFBackend(path, device=device, dtype=dtype, max_inflight=max_inflight)
     if kind == "vllm":
         from jet.workers.vllm_backend import VLLMBackend
 
-        return VLLMBackend(path, device=device, max_num_seqs=max_inflight)
+        return VLLMBackend(path, device=device, dtype=dtype, max_num_seqs=max_inflight)
     raise ValueError(f"unknown backend {kind!r}; expected 'hf' or 'vllm'")
 
 
@@ -143,13 +143,16 @@ def weights_roots(cfg: JetConfig, model: str) -> list[Path]:
 
 
 async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: int = 0,
-              backend: Any = None, backend_kind: str | None = None, device: str | None = None) -> None:
-    """Serve `gen:<model>` until `stop` is set, then drain (finish or release the batch in hand)."""
+              backend: Any = None, backend_kind: str | None = None, device: str | None = None,
+              close_backend: bool = True) -> None:
+    """Serve `gen:<model>` until `stop` is set, then drain (finish or release the batch in hand).
+
+    `backend`: use this one instead of loading `models[].backend`; `close_backend=False` leaves it open."""
     m = cfg.model(model)
     keys, settings = Keys(cfg.run), queue_settings(cfg, m.max_batch)
     if backend is None:
         backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
-                                                 m.max_inflight)
+                                                 m.max_inflight, m.dtype)
     name = consumer_name(f"infer-{model}", slot)
     r = await retry_forever(lambda: connect(url, name=name), url=url, what="connect")
     rb = await connect(url, block_ms=settings.block_ms, name=name)
@@ -167,7 +170,7 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
         with anyio.CancelScope(shield=True):
             for client in (r, rb, rw):
                 await client.aclose()
-        if hasattr(backend, "close"):
+        if close_backend and hasattr(backend, "close"):
             backend.close()
 
 

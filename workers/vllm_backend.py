@@ -47,7 +47,7 @@ CPU_KV_CACHE_GIB = "1"
 
 
 class VLLMBackend:
-    def __init__(self, model_dir: str | Path, device: str = "cuda", dtype: str = "auto",
+    def __init__(self, model_dir: str | Path, device: str = "cuda", dtype: str = "float32",
                  gpu_memory_utilization: float = 0.85, max_model_len: int | None = None, max_num_seqs: int = 64):
         on_cpu = device == "cpu"
         if not (on_cpu or device.startswith("cuda")):

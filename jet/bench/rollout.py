@@ -42,8 +42,8 @@ import click
 from jet.bench import emit, progress, redis_url_option, server_url
 
 MODEL = "bench"
-DEFAULTS = {"requests": 96, "concurrency": 16, "max_len": 192, "prompt_len": 24}
-QUICK = {"requests": 12, "concurrency": 4, "max_len": 24, "prompt_len": 8}
+DEFAULTS = {"requests": 96, "concurrency": 16, "max_len": 192, "prompt_len": 24, "repeats": 3}
+QUICK = {"requests": 12, "concurrency": 4, "max_len": 24, "prompt_len": 8, "repeats": 1}
 GOALS = {"full_path_vs_direct": 0.8, "continuous_vs_batch_synchronous": 1.5}
 
 
@@ -130,7 +130,9 @@ async def batch_synchronous(backend, reqs: list[Request], concurrency: int) -> i
     return total
 
 
-async def full_path(backend, reqs: list[Request], concurrency: int, url: str, model_dir: Path, tmp: Path) -> int:
+@contextlib.asynccontextmanager
+async def served(backend, url: str, model_dir: Path, tmp: Path, concurrency: int):
+    """An inference worker (`jet.workers.infer.run`, this process, this backend) and an LLM client session."""
     from jet.config import load as load_config
     from jet.keys import Keys
     from jet.llm import Tokenizers, open_client
@@ -142,20 +144,22 @@ async def full_path(backend, reqs: list[Request], concurrency: int, url: str, mo
                                    "max_inflight": concurrency}]})
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: infer.run(cfg, MODEL, url, stop, backend=backend))
+        tg.start_soon(lambda: infer.run(cfg, MODEL, url, stop, backend=backend, close_backend=False))
         async with open_client(url, Keys(run), Tokenizers({MODEL: str(model_dir)}), timeout_s=600) as client:
             llm = client.session("bench", MODEL)
             await llm.generate([5, 6], max_tokens=1)  # the worker is up
-
-            async def call(r: Request) -> int:
-                out = await llm.generate(r.prompt, max_tokens=r.max_tokens, temperature=1.0, seed=r.seed)
-                return len(out.token_ids)
-
-            t0 = time.perf_counter()
-            tokens = await closed_loop(reqs, concurrency, call)
-            elapsed = time.perf_counter() - t0
+            yield llm
         stop.set()
-    return tokens, elapsed
+
+
+async def through(llm, reqs: list[Request], concurrency: int) -> int:
+    """The direct workload sent through the full path: client -> gen: stream -> worker -> reply."""
+    async def call(r: Request) -> int:
+        out = await llm.generate(r.prompt, max_tokens=r.max_tokens, temperature=1.0, seed=r.seed)
+        llm.calls.clear()  # the session records calls for training; a benchmark keeps none
+        return len(out.token_ids)
+
+    return await closed_loop(reqs, concurrency, call)
 
 
 async def timed(coro) -> tuple[int, float]:
@@ -175,24 +179,33 @@ def mode(tokens: int, seconds: float) -> dict:
 
 
 async def measure_backend(kind: str, p: dict, model_dir: Path, url: str, tmp: Path, say) -> dict:
+    """Every mode `repeats` times, interleaved (so load on a shared machine hits all alike); medians."""
     backend = await anyio.to_thread.run_sync(make_backend, kind, model_dir, p["concurrency"])
+    c = p["concurrency"]
+    reqs = workload(p["requests"], p["max_len"], p["prompt_len"], backend.vocab_size)
+    runs: dict[str, list[dict]] = {"continuous": [], "batch_synchronous": [], "full_path": []}
     try:
-        reqs = workload(p["requests"], p["max_len"], p["prompt_len"], backend.vocab_size)
-        await direct(backend, reqs[:p["concurrency"]], p["concurrency"])  # warm up (kernels, allocator)
-        modes = {}
-        modes["continuous"] = mode(*await timed(direct(backend, reqs, p["concurrency"])))
-        say(f"{kind}: continuous (direct) {modes['continuous']['tokens_per_s']} tokens/s")
-        modes["batch_synchronous"] = mode(*await timed(batch_synchronous(backend, reqs, p["concurrency"])))
-        say(f"{kind}: batch-synchronous {modes['batch_synchronous']['tokens_per_s']} tokens/s")
-        modes["full_path"] = mode(*await full_path(backend, reqs, p["concurrency"], url, model_dir, tmp))
-        say(f"{kind}: full path {modes['full_path']['tokens_per_s']} tokens/s")
+        await direct(backend, reqs[:c], c)  # warm up (kernels, allocator)
+        async with served(backend, url, model_dir, tmp, c) as llm:
+            for rep in range(p["repeats"]):
+                runs["continuous"].append(mode(*await timed(direct(backend, reqs, c))))
+                runs["batch_synchronous"].append(mode(*await timed(batch_synchronous(backend, reqs, c))))
+                runs["full_path"].append(mode(*await timed(through(llm, reqs, c))))
+                say(f"{kind} run {rep + 1}/{p['repeats']}: " + ", ".join(
+                    f"{m} {r[-1]['tokens_per_s']}" for m, r in runs.items()) + " tokens/s")
     finally:
         if hasattr(backend, "close"):
             backend.close()
+    modes = {m: median(rs) for m, rs in runs.items()}
     return {"backend": kind, "modes": modes,
             "comparisons": [comparison(kind, "full_path_vs_direct", modes["full_path"], modes["continuous"]),
                             comparison(kind, "continuous_vs_batch_synchronous", modes["continuous"],
                                        modes["batch_synchronous"])]}
+
+
+def median(rs: list[dict]) -> dict:
+    ordered = sorted(rs, key=lambda r: r["tokens_per_s"])
+    return {**ordered[len(ordered) // 2], "all_tokens_per_s": [r["tokens_per_s"] for r in rs]}
 
 
 def table(report: dict):
@@ -213,13 +226,20 @@ def table(report: dict):
 @click.option("--requests", type=click.IntRange(min=1), default=None, help=f"Default {DEFAULTS['requests']}.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None,
               help=f"Requests in flight (and the batch size of batch-synchronous). Default {DEFAULTS['concurrency']}.")
+@click.option("--repeats", type=click.IntRange(min=1), default=None,
+              help=f"Runs of every mode, interleaved; medians are reported. Default {DEFAULTS['repeats']}.")
 @click.option("--quick", is_flag=True, help="A tiny workload (for tests).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Torch CPU threads (a tiny model gains nothing from more; a shared CPU loses a lot).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @redis_url_option
-def cli(backends, requests, concurrency, quick, as_json, redis_url) -> None:
+def cli(backends, requests, concurrency, repeats, quick, threads, as_json, redis_url) -> None:
     """Tokens/s: backend direct vs the full path, continuous vs batch-synchronous serving."""
+    import torch
+
+    torch.set_num_threads(threads)
     p = dict(QUICK if quick else DEFAULTS)
-    p.update({k: v for k, v in {"requests": requests, "concurrency": concurrency}.items() if v})
+    p.update({k: v for k, v in {"requests": requests, "concurrency": concurrency, "repeats": repeats}.items() if v})
     kinds = ["hf", "vllm"] if backends == "all" else [backends]
     if backends == "all" and importlib.util.find_spec("vllm") is None:
         kinds = ["hf"]
@@ -230,7 +250,7 @@ def cli(backends, requests, concurrency, quick, as_json, redis_url) -> None:
             model_dir = bench_model(tmp / "model")
             results = [anyio.run(measure_backend, kind, p, model_dir, url, tmp, say) for kind in kinds]
     report = {"workload": (f"{p['requests']} requests, Pareto(1.2) lengths 2..{p['max_len']}, "
-                           f"{p['concurrency']} in flight"), "params": p, "backends": results,
+                           f"{p['concurrency']} in flight"), "params": {**p, "threads": threads}, "backends": results,
               "comparisons": [c for r in results for c in r["comparisons"]]}
     emit(report, as_json, table)
 

@@ -19,7 +19,7 @@ from jet.workers.hf_backend import SamplingParams  # noqa: E402
 
 from ..weights import perturbed_weights  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 # vLLM's own float32 kernels (CPU or CUDA) vs a float32 transformers forward, on log-probabilities
 # around -1 to -8: measured max |diff| ~1e-5 on CPU; the bound leaves room for other kernels.
