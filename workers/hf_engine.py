@@ -74,6 +74,7 @@ class Scheduler:
         self.rows: list[Row] = []  # batch order: row r of cache / mask / pos / next_ids
         self.cache = self.mask = self.pos = self.next_ids = None
         self.mergeable = True  # False once a sliding-window cache layer is seen
+        self.cache_kwarg = cache_kwarg(backend.model)
         self.forwards = 0  # model calls so far (prefills + decoding steps)
         self.peak_rows = 0  # most rows decoded in one step
 
@@ -136,8 +137,8 @@ class Scheduler:
     def _forward(self, ids, mask, pos, cache):
         self.forwards += 1
         self.peak_rows = max(self.peak_rows, ids.shape[0])
-        out = self.b.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                           logits_to_keep=1)
+        out = self.b.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                           **{self.cache_kwarg: cache})
         return out.logits[:, -1, :].float()
 
     def _sample(self, rows: list[Row], logits) -> tuple[list[Row], list[int]]:
@@ -235,6 +236,19 @@ class Scheduler:
         self.mask, self.pos, self.next_ids = self.mask[idx], self.pos[idx], self.next_ids[idx]
         self.rows = [self.rows[i] for i in keep]
         self._crop()
+
+
+def cache_kwarg(model) -> str:
+    """The forward's KV-cache argument: `cache` from transformers 5.2x, `past_key_values` before. Either
+    way, an unknown keyword is swallowed by `**kwargs` and decoding would silently recompute nothing."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
 def _left(mask, width: int):
