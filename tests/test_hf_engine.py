@@ -158,3 +158,25 @@ async def test_a_cancelled_caller_leaves_the_batch(model_dir):
     assert not sched.busy and sched.rows == []
     alone = HFBackend(model_dir).generate([[9, 10]], [SamplingParams(temperature=1.0, max_tokens=60, seed=2)])[0]
     assert done[0].token_ids == alone.token_ids
+
+
+@pytest.mark.anyio
+async def test_a_failing_step_errors_the_requests_in_flight_and_serving_goes_on(model_dir):
+    backend = HFBackend(model_dir)
+    calls = [0]
+
+    def explode_once(module, args):
+        calls[0] += 1
+        if calls[0] == 6:  # mid-decoding, with every request in the batch
+            raise RuntimeError("simulated out of memory")
+
+    hook = backend.model.model.register_forward_pre_hook(explode_once)
+    try:
+        outs = await staggered(backend, requests(4), gap_s=0)
+    finally:
+        hook.remove()
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert failed and all("simulated out of memory" in o.error and o.token_ids == [] for o in failed)
+    assert not backend.engine.sched.busy
+    again = await staggered(backend, requests(4), gap_s=0)
+    assert all(o.finish_reason in ("stop", "length") for o in again)

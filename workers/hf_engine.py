@@ -25,11 +25,14 @@ row, so a row's logits do not depend on its batch neighbours beyond float noise;
 each row owns its generator and draws one uniform per token (batch invariance
 as in hf_backend); a cancelled caller's row is dropped at the next step. Models
 whose cache has sliding-window layers are served without merging: new requests
-wait until the batch is empty (batch-synchronous, still correct).
+wait until the batch is empty (batch-synchronous, still correct). A step that
+raises (out of memory, say) ends every request in the scheduler with an error
+reply and the next step starts from an empty batch: never a crash, never a hang.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
     import torch
 
     from jet.workers.hf_backend import HFBackend
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -58,10 +63,13 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     finish: str | None = None
+    error: str | None = None  # set with finish "error": the step that decoded it failed
     cancelled: bool = False  # set by a caller that gave up; the row leaves at the next step
     wake: anyio.Event | None = None  # Engine: set when finished, or when this caller should drive
 
     def output(self) -> GenOutput:
+        if self.finish == "error":
+            return GenOutput([], [], "error", self.error, self.version)
         return GenOutput(self.tokens, self.logps, self.finish, None, self.version)  # type: ignore[arg-type]
 
 
@@ -83,6 +91,14 @@ class Scheduler:
         limit = min(sp.max_tokens, self.b.context_length - len(prompt))
         return Row(list(prompt), sp, limit, self.b.eos_ids | frozenset(sp.stop_token_ids), _generator(sp.seed),
                    self.b.version)
+
+    def fail_all(self, error: str) -> list[Row]:
+        """After a step raised: every row in the scheduler ends with `error`, and the batch starts empty."""
+        failed = [*self.rows, *self.waiting]
+        for row in failed:
+            row.finish, row.error = "error", error
+        self.rows, self.waiting, self.cache = [], deque(), None
+        return failed
 
     @property
     def busy(self) -> bool:
@@ -306,7 +322,11 @@ class Engine:
             while mine.finish is None and not mine.cancelled:
                 new, self._new = self._new, []
                 with anyio.CancelScope(shield=True):  # a step always completes: the batch stays consistent
-                    await anyio.to_thread.run_sync(self.sched.step, new)
+                    try:
+                        await anyio.to_thread.run_sync(self.sched.step, new)
+                    except Exception as e:  # noqa: BLE001 - policy: the rows in flight get error replies
+                        log.exception("hf decoding step failed; failing the %d requests in flight", len(self._live))
+                        self.sched.fail_all(f"hf backend: {type(e).__name__}: {e}")
                 for r in self._live:
                     if r.finish is not None:
                         r.wake.set()

@@ -68,8 +68,8 @@ class WeightFollower:
             entries = await self.r.xrevrange(self.stream, "+", "-", count=CATCH_UP_DEPTH)
             if entries:
                 self._last_id = _s(entries[0][0])
-                fields = [f"{self.consumer} {_s(i)}" for i, _ in entries]
-                seen = await self.r.hmget(self.keys.weights_rejected(self.model), fields)
+                names = [f"{self.consumer} {_s(i)}" for i, _ in entries]
+                seen = await self.r.hmget(self.keys.weights_rejected(self.model), names)
         for (entry_id, fields), rejected in zip(entries, seen if entries else []):
             if rejected is not None:
                 continue  # our own verdict from an earlier life: never again
