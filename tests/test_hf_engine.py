@@ -37,6 +37,8 @@ def requests(n: int):
 
 
 def reference_logprobs(model, prompt, completion, temperature):
+    """Full-vocabulary tempered logprobs of a full forward: the reported ones at top_p = 1 (at top_p < 1
+    the engine is compared with the batch API instead, whose math is jet.workers.hf_backend's)."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
@@ -69,8 +71,9 @@ async def test_continuous_outputs_equal_each_request_alone(model_dir):
         alone = HFBackend(model_dir).generate([prompt], [sp])[0]
         assert out.token_ids == alone.token_ids and out.finish_reason == alone.finish_reason
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
-        ref = reference_logprobs(backend.model, prompt, out.token_ids, sp.temperature)
-        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
+        if sp.top_p == 1:
+            ref = reference_logprobs(backend.model, prompt, out.token_ids, sp.temperature)
+            torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
 
 
 @pytest.mark.anyio
@@ -132,10 +135,14 @@ async def test_weights_load_between_requests_none_dropped_none_mixed(model_dir, 
         tg.start_soon(load)
     versions = [o.version for o in outs]
     assert 0 in versions and 5 in versions and backend.version == 5  # some before, some after
+    checked = set()
     for (prompt, sp), out in zip(reqs, outs):
-        model = old if out.version == 0 else new.model
-        ref = reference_logprobs(model, prompt, out.token_ids, sp.temperature)
-        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
+        if sp.top_p == 1:
+            model = old if out.version == 0 else new.model
+            ref = reference_logprobs(model, prompt, out.token_ids, sp.temperature)
+            torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
+            checked.add(out.version)
+    assert checked == {0, 5}
     assert not backend.engine.gate.loading and backend.engine.gate.inside == 0
 
 
