@@ -2,7 +2,7 @@
 
 What it is: one random tiny model (head_dim 64, so vLLM's CPU build runs it
 too) and one workload: `requests` prompts whose completion lengths are heavy
-tailed (Pareto, alpha 1.2: most short, a few up to `max_len`; EOS is ignored
+tailed (4 x Pareto(1.2): median 7 tokens, a few up to `max_len`; EOS is ignored
 so a request's length is its max_tokens), seeded, so every mode generates
 the same tokens. Per backend (`hf`, and `vllm` where it is installed):
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import os
 import random
 import tempfile
 import time
@@ -42,7 +43,7 @@ import click
 from jet.bench import emit, progress, redis_url_option, server_url
 
 MODEL = "bench"
-DEFAULTS = {"requests": 96, "concurrency": 16, "max_len": 192, "prompt_len": 24, "repeats": 3}
+DEFAULTS = {"requests": 128, "concurrency": 16, "max_len": 256, "prompt_len": 24, "repeats": 3}
 QUICK = {"requests": 12, "concurrency": 4, "max_len": 24, "prompt_len": 8, "repeats": 1}
 GOALS = {"full_path_vs_direct": 0.8, "continuous_vs_batch_synchronous": 1.5}
 
@@ -55,11 +56,11 @@ class Request:
 
 
 def workload(n: int, max_len: int, prompt_len: int, vocab: int, seed: int = 0) -> list[Request]:
-    """`n` requests with Pareto(1.2) completion lengths in [2, max_len]."""
+    """`n` requests with completion lengths 4 x Pareto(1.2), in [4, max_len] (median 7, a few at max_len)."""
     rnd = random.Random(seed)
     out = []
     for i in range(n):
-        length = min(max_len, max(2, math.ceil(2 * rnd.paretovariate(1.2))))
+        length = min(max_len, max(2, math.ceil(4 * rnd.paretovariate(1.2))))
         prompt = [rnd.randrange(3, vocab) for _ in range(rnd.randint(prompt_len // 2, prompt_len))]
         out.append(Request(prompt, length, seed * 100_000 + i))
     return out
@@ -244,12 +245,13 @@ def cli(backends, requests, concurrency, repeats, quick, threads, as_json, redis
     if backends == "all" and importlib.util.find_spec("vllm") is None:
         kinds = ["hf"]
     say = progress(as_json)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report's
     with tempfile.TemporaryDirectory(prefix="jet-bench-rollout-") as tmp_name:
         tmp = Path(tmp_name)
         with server_url(redis_url, tmp / "server") as url:
             model_dir = bench_model(tmp / "model")
             results = [anyio.run(measure_backend, kind, p, model_dir, url, tmp, say) for kind in kinds]
-    report = {"workload": (f"{p['requests']} requests, Pareto(1.2) lengths 2..{p['max_len']}, "
+    report = {"workload": (f"{p['requests']} requests, 4 x Pareto(1.2) lengths up to {p['max_len']}, "
                            f"{p['concurrency']} in flight"), "params": {**p, "threads": threads}, "backends": results,
               "comparisons": [c for r in results for c in r["comparisons"]]}
     emit(report, as_json, table)
