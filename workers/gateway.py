@@ -392,14 +392,8 @@ def cli(config_path, overrides, host, port, max_in_flight, max_body_mb, max_body
                     max_body_in_flight=int(max_body_in_flight_mb * 2**20))
     url = resolve_url(redis_url)
     try:
-    r = await retry_forever(lambda: connect(url, name="jet-gateway", max_connections=limits.connections),
-                            url=url, what="connect", stop=stop)
-    try:
-        signer = Signer(await load_secret(r, keys, url), cfg.run)
-        timeout = max(30.0, 3 * cfg.queues.lease_ms / 1000)
-        async with open_client(url, keys, tokenizers, timeout_s=timeout, max_connections=limits.connections,
-                               gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
-            app = make_app(RecordingSessions(llm, r, keys, url), signer, [m.name for m in cfg.models], limits)
+        run_role(lambda stop: run(cfg, url, stop, host=host, port=port, limits=limits), "jet gateway")
+    except OSError as e:
         raise click.ClickException(str(e)) from None
 
 
