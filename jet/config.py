@@ -101,7 +101,7 @@ class ModelConfig:
     trainable: bool = True
     # Torch device of the inference worker ('cpu', 'cuda', 'cuda:1').
     device: str = "cpu"
-    # Generation requests batched together by one inference worker (requests).
+    # Unused since the inference worker serves per request (max_inflight); accepted for old configs.
     max_batch: int = 16
     # Inference dtype; float32 gives the logprobs a float32 trainer recomputes (bfloat16 is faster on GPUs).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
