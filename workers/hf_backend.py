@@ -2,7 +2,8 @@
 
 What it is: pure compute on a transformers causal LM (CPU or GPU). Prompts are
 batched with LEFT padding, an attention mask and explicit position ids, and
-decoded token by token with a KV cache in a loop written here, so sampling is
+decoded token by token with a KV cache by the scheduler of
+`jet.workers.hf_engine`, and sampled here (`pick_tokens`), so sampling is
 ours: temperature, top-p, per-request seeds, max_tokens and stop ids.
 
 `generate(prompts, params)` decodes a batch to the end (batch-synchronous);
