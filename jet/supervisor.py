@@ -110,8 +110,10 @@ class _Proc:
 
 class Supervisor:
     def __init__(self, children_of: Callable[[int], list[Child]], *, reload: bool = False,
-                 max_restarts: int = 5, env: dict[str, str] | None = None):
+                 max_restarts: int = 5, env: dict[str, str] | None = None,
+                 restart_delay_s: tuple[float, float] = RESTART_DELAY_S):
         self.children_of, self.reload, self.max_restarts = children_of, reload, max_restarts
+        self.restart_delay_s = restart_delay_s
         self.env = dict(os.environ if env is None else env)
         self.bank = 0
         self.gen: list[_Proc] = []
@@ -194,7 +196,8 @@ class Supervisor:
         p.crashes += 1
         if p.crashes > self.max_restarts:
             return self._fail(p, f"crashed {p.crashes} times in a row")
-        delay = min(RESTART_DELAY_S[1], RESTART_DELAY_S[0] * 2 ** (p.crashes - 1))
+        first, largest = self.restart_delay_s
+        delay = min(largest, first * 2 ** (p.crashes - 1))
         log.warning("%s exited with %s; restarting in %.0fs (crash %d of %d)", p.child.name, code, delay,
                     p.crashes, self.max_restarts)
         p.restart_at = now + delay

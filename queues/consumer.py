@@ -241,7 +241,7 @@ class Consumer:
             async with self.r.pipeline(transaction=False) as p:
                 for i in kept:
                     p.xrange(self.stream, i, i)
-            claimed = [rows[0] for rows in await p.execute() if rows]
+                claimed = [rows[0] for rows in await p.execute() if rows]
         got = [(_s(i), f or {}, counts.get(_s(i), 1)) for i, f in claimed]
         missing = set(counts) - {g[0] for g in got}
         if missing:  # payload trimmed or deleted: XCLAIM dropped them from the PEL

@@ -128,7 +128,7 @@ def plot(run, out_dir) -> None:
 
 
 if __name__ == "__main__":
-    from jet.cli import setup_logging
+    from jet.cliopts import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     train()

@@ -272,7 +272,7 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
 
 
 if __name__ == "__main__":
-    from jet.cli import setup_logging
+    from jet.cliopts import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

@@ -398,7 +398,7 @@ def cli(config_path, overrides, host, port, max_in_flight, max_body_mb, max_body
 
 
 if __name__ == "__main__":
-    from jet.cli import setup_logging
+    from jet.cliopts import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

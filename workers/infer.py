@@ -190,7 +190,7 @@ def cli(config_path, overrides, model, backend, device, processes, slot, redis_u
 
 
 if __name__ == "__main__":
-    from jet.cli import setup_logging
+    from jet.cliopts import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

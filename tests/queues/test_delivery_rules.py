@@ -266,3 +266,24 @@ async def test_rule7_blocking_read_outlasts_the_default_socket_timeout(redis_url
         await c.r.xadd(src, entry(42))
     assert [d.payload.meta["n"] for d in got] == [42]
     await close(c)
+
+
+async def test_rule3_rereads_after_restarts_need_not_count(redis_url, keys):
+    """A consumer that holds entries on purpose (the trainer, until its checkpoint) re-reads them after
+    each restart without counting a delivery, so ten restarts never dead-letter what it held; with
+    counting on (every other role), the same restarts do."""
+    for counting, want_dead in ((False, 0), (True, 3)):
+        src = keys.tasks(f"held{int(counting)}")
+        c = await make_consumer(redis_url, keys, src, "trainer", max_deliveries=5, count_rereads=counting)
+        for i in range(3):
+            await c.r.xadd(src, entry(i))
+        assert len(await c.fetch()) == 3
+        for _ in range(10):  # crash and restart under the same name, ten times
+            await close(c)
+            c = await make_consumer(redis_url, keys, src, "trainer", max_deliveries=5, count_rereads=counting)
+            got = await c.fetch()
+        dead = [p for p in await read_all(c.r, keys.dead) if p.meta["stream"] == keys.short(src)]
+        assert len(dead) == want_dead
+        if not counting:
+            assert [d.deliveries for d in got] == [1, 1, 1] and (await c.r.xpending(src, "g"))["pending"] == 3
+        await close(c)
