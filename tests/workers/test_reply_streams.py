@@ -66,12 +66,12 @@ async def test_a_reply_to_a_client_that_vanished_mid_request_is_dropped_and_coun
 @pytest.mark.anyio
 async def test_drains_and_rolling_reloads_leave_no_reply_stream_without_a_ttl(redis_url, keys, tiny_model, procs):
     write_config(procs.cfg_path, keys.run, tiny_model, [{"name": "chat", "workflow": "tests.workers.flows:chat",
-                                                         "concurrency": 4, "max_retries": 3}], lease_ms=3000)
+                                                         "concurrency": 16, "max_retries": 3}], lease_ms=3000)
     # More episodes than the test lets run: there is always work in flight when it signals.
     await enqueue(redis_url, keys, "chat", [{"turns": 2, "max_tokens": 100}] * 400)
     r = await connect(redis_url)
     procs.start("infer")
-    env = procs.start("env", "-n", "2", "--drain-timeout", "0.3")
+    env = procs.start("env", "-n", "2", "--drain-timeout", "0.1")
     await wait_for(lambda: gen_pending(r, keys), timeout=60, every=0.01)  # requests in flight
     env.send_signal(signal.SIGHUP)  # a rolling reload: the old generation drains with requests in flight
     await wait_for(lambda: _consumer_ending(r, keys, ".1"), timeout=60)
