@@ -45,6 +45,7 @@ def main(log_level: str) -> None:
         "merge": ("jet.bench.merge:cli", "Tokens and train time: none vs exact vs tree merging."),
         "async": ("jet.bench.async_:cli", "Trainer throughput: synchronous barrier vs bounded staleness."),
         "staleness": ("jet.bench.staleness:cli", "Reward at equal steps on k-versions-old batches, per objective."),
+        "rollout": ("jet.bench.rollout:cli", "Generation tokens/s: direct vs full path, continuous vs batch-sync."),
     },
 )
 def bench() -> None:

@@ -101,8 +101,14 @@ class ModelConfig:
     trainable: bool = True
     # Torch device of the inference worker ('cpu', 'cuda', 'cuda:1').
     device: str = "cpu"
-    # Generation requests batched together by one inference worker (requests).
+    # Unused since the inference worker serves per request (max_inflight); accepted for old configs.
     max_batch: int = 16
+    # Inference dtype; float32 gives the logprobs a float32 trainer recomputes (bfloat16 is faster on GPUs).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Generation requests one inference worker decodes at once, each answered as it completes (requests).
+    max_inflight: int = 64
+    # Folders weight announcements may point into besides <runs_dir>/<run>/weights/<model> (paths).
+    weights_roots: list[str] = field(default_factory=list)
     # This model's trainer settings over the top-level `trainer` section (e.g. {lr: 1e-4, seed: 1}).
     trainer: dict[str, Any] = field(default_factory=dict)
 
@@ -111,6 +117,7 @@ class ModelConfig:
         require(bool(self.path), "path", "must not be empty")
         require(bool(self.device), "device", "must not be empty")
         positive(self, "max_batch")
+        positive(self, "max_inflight")
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,11 @@ class Keys:
     def weights(self, model: str) -> str:
         return f"{self.prefix}weights:{check_name('model', model)}"
 
+    def weights_rejected(self, model: str) -> str:
+        """Hash `<consumer> <entry id>` -> reason: weight announcements an inference worker dead-lettered
+        (it never reads them again, also after a restart)."""
+        return f"{self.prefix}weights-rejected:{check_name('model', model)}"
+
     def calls(self, episode_id: str, tag: str) -> str:
         """Stream of the LLM calls a `jet gateway` answered for one run (`tag`) of an episode;
         the env worker creates it when the episode starts and reads and deletes it at its end."""
