@@ -211,7 +211,7 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
     timeout = request_timeout_s or max(30.0, 3 * cfg.queues.lease_ms / 1000)
     async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout, max_connections=pool_size(cfg),
                            gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
-        log.info("env worker slot %d: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
+        log.info("env worker slot %s: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
         loaded: set[str] = set()
 
         def ready(name: str) -> None:  # every task loaded: a rolling reload may drain the old workers
