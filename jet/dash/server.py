@@ -63,7 +63,7 @@ class Settings:
     token: str | None = None  # required on every request when set
     loopback: bool = True  # only loopback Host headers are answered
     alive_s: float = 60.0  # a consumer idle longer than this is not counted alive
-    model_paths: dict[str, str] = field(default_factory=dict)  # model -> folder, over the run's resolved config
+    model_paths: dict[str, str] = field(default_factory=dict)  # model -> folder, when the run's resolved config has none
 
 
 class Hub:
@@ -123,7 +123,7 @@ class Hub:
 
     def decoder(self, run: str, model: str) -> Callable | None:
         """The decode function of `model`'s tokenizer (ids -> text), or None when it cannot be found."""
-        path = self.s.model_paths.get(model) or _model_path(Path(self.s.runs_dir) / run, model)
+        path = _model_path(Path(self.s.runs_dir) / run, model) or self.s.model_paths.get(model)
         if path not in self._decoders:
             self._decoders[path] = _load_decoder(path) if path else None
         return self._decoders[path]

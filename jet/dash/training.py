@@ -87,7 +87,7 @@ class _File:
         if self.first_time is None and isinstance(row.get("time"), (int, float)):
             self.first_time = float(row["time"])
         for name, value in row.items():
-            if name == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if name in ("step", "time") or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             s = self.series.get(name)
             if s is None:

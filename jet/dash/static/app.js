@@ -81,7 +81,7 @@ async function show() {
 }
 
 function put(gen, ...nodes) {  // replace the page's content unless the user moved on meanwhile
-  if (gen === state.gen) $main.replaceChildren(...nodes);
+  if (gen === state.gen) $main.replaceChildren(...nodes.flat().filter(n => n !== null && n !== undefined && n !== false));
 }
 
 async function loadRuns() {
@@ -247,7 +247,7 @@ async function renderEpisodes(r, gen) {
       h("p", {class: "muted"}, `${data.rows.length} shown of ${data.scanned} looked at `, more)];
   // The filter bar is built once per visit, so polling never takes the focus from a field being typed in.
   const box = document.getElementById("episode-results");
-  if (box && state.filtersGen === gen) box.replaceChildren(...results.filter(Boolean));
+  if (box && state.filtersGen === gen) box.replaceChildren(...results.flat().filter(Boolean));
   else if (gen === state.gen) {
     state.filtersGen = gen;
     put(gen, filterBar(data.models), h("div", {id: "episode-results"}, results));

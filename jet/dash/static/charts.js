@@ -79,8 +79,8 @@ const JetChart = (() => {
     const xs = [], ys = [];
     for (const s of series) for (const p of s.points) { xs.push(p[0]); ys.push(p[1]); }
     for (const b of bands) for (const p of b.points) { xs.push(p[0]); ys.push(p[1], p[2]); }
-    const xr = extent(xs), yr = extent(ys);
-    if (Math.min(...xs) >= 0 && xr[0] < 0) xr[0] = 0;
+    const xr = [Math.min(...xs), Math.max(...xs)], yr = extent(ys);
+    if (xr[0] === xr[1]) xr[1] = xr[0] + 1;
     const sx = x => L + (x - xr[0]) / (xr[1] - xr[0]) * (W - L - R);
     const sy = y => H - B - (y - yr[0]) / (yr[1] - yr[0]) * (H - T - B);
     axes(svg, xr, yr);
