@@ -119,7 +119,8 @@ const JetChart = (() => {
     box.appendChild(title);
     const items = opts.items || [];
     const h = Math.max(60, 26 * items.length + 30);
-    const svg = el("svg", {viewBox: `0 0 ${W} ${h}`, style: `height:${h * 0.75}px`}, box);
+    const svg = el("svg", {viewBox: `0 0 ${W} ${h}`, preserveAspectRatio: "xMinYMin meet",
+                           style: `height:${h}px; max-width:${W * 1.6}px`}, box);
     const xr = extent(items.flatMap(it => [it.lo, it.hi, it.mean]));
     const left = 150, sx = x => left + (x - xr[0]) / (xr[1] - xr[0]) * (W - left - R);
     items.forEach((it, i) => {
