@@ -81,7 +81,7 @@ from jet.queues.producer import safe_trim
 from jet.queues.reaper import Reaper
 from jet.queues.serve import lease_keeper, reaper_loop
 from jet.wire import Task
-from jet.workers.episode import Outcome, code_version, load_function, play, trajectories
+from jet.workers.episode import Outcome, code_version, load_function, note_no_llm_calls, play, trajectories
 from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway
 from jet.workers.processes import mark_ready, queue_settings
 from jet.workers import shadow as shadow_mode
@@ -248,6 +248,8 @@ class TaskRunner:
         if out.failed and not retry and done[0]:
             with translated(self.url):
                 await c.r.hincrby(self.keys.stats, "dead", 1)
+        if done[0]:  # an episode that called no model trains nothing: count it, warn once (issue 14)
+            await note_no_llm_calls(c.r, self.keys, out, task=task.task, worker=self.name, url=self.url)
 
     def _trajectories(self, task: Task, out: Outcome, retry: bool, meta: dict) -> list[tuple[str, dict]]:
         trajs = trajectories(task, out, episode_id=task.msg_id, task_model=self.t.model,
