@@ -24,7 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +321,10 @@ def cli(run, host, port, config_path, runs_dir, studies_dir, token, alive_s, fd,
     click.echo(f"jet dash: {url_of(host, bound, token)}", err=True)
     config = uvicorn.Config(create_app(settings), log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=3)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the handlers
+    # it found: these make that a clean exit 0, as every role drains and exits on SIGTERM
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     uvicorn.Server(config).run(sockets=[sock])
 
 
