@@ -94,3 +94,18 @@ def test_loopback_names(host):
     from jet.dash.access import is_loopback
 
     assert is_loopback(host) and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_pages(tmp_path):
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(root)], check=True)
+    [wheel] = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for asset in ("index.html", "app.js", "charts.js", "style.css"):
+        assert f"jet/dash/static/{asset}" in names
+    assert "jet/dash/server.py" in names and "jet/trainer/loggers.py" in names
