@@ -25,7 +25,7 @@ from jet.queues import admin, codec, registry
 from jet.queues.connect import translated
 from jet.wire import WeightVersion
 
-PEEK = 100  # latest trajectories per model read for code versions and the no-LLM-call count
+PEEK = 50  # latest trajectories per model read (every snapshot) for code versions and the no-LLM-call count
 
 
 def models_of(report: dict) -> list[str]:
