@@ -4,6 +4,7 @@ continues the same W&B and MLflow runs. What was logged is read back from the fi
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import struct
@@ -68,12 +69,15 @@ def wandb_runs(folder: Path) -> list[dict]:
 
 
 def mlflow_history(folder: Path, metric: str) -> tuple[str, list[tuple[int, float]], str]:
+    from unittest import mock
+
     from mlflow.tracking import MlflowClient
 
     run_id = json.loads((folder / "loggers.json").read_text())["mlflow"]
-    client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
-    history = [(m.step, m.value) for m in client.get_metric_history(run_id, metric)]
-    return run_id, sorted(history, key=lambda x: x[0]), client.get_run(run_id).info.status
+    with mock.patch.dict(os.environ, {"MLFLOW_ALLOW_FILE_STORE": "true"}):  # MLflow 3 wants the opt-in
+        client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+        history = [(m.step, m.value) for m in client.get_metric_history(run_id, metric)]
+        return run_id, sorted(history, key=lambda x: x[0]), client.get_run(run_id).info.status
 
 
 @pytest.fixture
@@ -81,6 +85,7 @@ def offline(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the sink opts in by itself (and is undone)
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
 
 
