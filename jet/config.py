@@ -224,6 +224,10 @@ class TrainerConfig:
     seed: int = 0
     # Longest wait for a task with no ready group before a step is filled with other tasks' groups (s).
     mix_wait_s: float = 30.0
+    # Metric sinks of rank 0: jsonl (metrics.jsonl, read by `jet dash` and `jet plot`), tensorboard (when
+    # installed), wandb ($WANDB_PROJECT, $WANDB_MODE, ...), mlflow ($MLFLOW_TRACKING_URI, else a local store).
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=lambda: ["jsonl", "tensorboard"])
 
     def __post_init__(self):
         positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps", "is_cap",
@@ -231,6 +235,7 @@ class TrainerConfig:
         non_negative(self, "max_staleness", "checkpoint_every", "kl_coef", "grad_clip", "warmup_steps", "seed",
                      "weight_decay", "mix_wait_s")
         require(bool(self.device), "device", "must not be empty")
+        require(len(set(self.loggers)) == len(self.loggers), "loggers", f"duplicate logger in {self.loggers}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,16 @@ class Keys:
         """Hash of counters (lost work reported by XAUTOCLAIM, dead letters, ...)."""
         return f"{self.prefix}stats"
 
+    def worker(self, name: str) -> str:
+        """Hash: one worker's heartbeat (role, host, code and weight versions), expiring when it stops
+        beating (`jet.queues.registry`)."""
+        return f"{self.prefix}worker:{check_name('worker', name)}"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set: worker name -> unix time of its last heartbeat (the index of the worker hashes)."""
+        return f"{self.prefix}workers"
+
     def done_marker(self, group: str, msg_id: str) -> str:
         """Idempotency marker: set when `group` committed the effects of message `msg_id`."""
         return f"{self.prefix}done:{group}:{msg_id}"

@@ -113,7 +113,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             asm.counts.update(state.counts)
             intake = Intake(feed, asm, weights={t.name: t.weight for t in cfg.tasks}, mix_wait_s=tc.mix_wait_s,
                             expected=[t.name for t in cfg.tasks if t.model == model and t.weight > 0])
-            metrics = stack.enter_context(contextlib.closing(Metrics(root, resume_step=state.step)))
+            metrics = stack.enter_context(contextlib.closing(Metrics.for_trainer(cfg, model, resume_step=state.step)))
             if resumed:  # a crash may have come between the checkpoint and its acks
                 feed.ack([(c["entry"], c["msg"]) for c in resumed[1]["consumed"]])
 

@@ -80,7 +80,7 @@ from jet.queues.runtime import Commit, Dead, Drop, Outcome, Runtime
 from jet.supervisor import mark_ready
 from jet.wire import Task
 from jet.workers.episode import Outcome as Episode
-from jet.workers.episode import code_version, load_function, play, trajectories
+from jet.workers.episode import code_version, load_function, play, trajectories, warn_no_llm_calls
 from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway, pool_size
 from jet.workers.lanes import LIVE, SHADOW, Lane, leave_group
 from jet.workers.runtimes import check_runtime, env_children, same_python
@@ -137,7 +137,8 @@ class TaskRunner:
             self.llm.close_session(task.msg_id)
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await self.gateway.close(session)
-        return Commit(self._outputs(d, task, out))
+        quiet = warn_no_llm_calls(out, task=task.task, worker=self.name)  # trains nothing: counted by the commit
+        return Commit(self._outputs(d, task, out), counter="no_llm_calls" if quiet else "")
 
     def _outputs(self, d: Delivery, task: Task, out: Episode) -> list[tuple[str, dict]]:
         """The trajectories, and for a failed episode the retry copy or the dead letter."""
