@@ -166,6 +166,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                 staleness = intake.trained(groups, state.step, trained_at)
                 metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
+                intake.feed.status.update(step=state.step, weight_version=state.version)  # its heartbeat
 
             # 5. checkpoint, then ack what it made durable
             if plan.checkpoint:

@@ -110,8 +110,9 @@ class TaskRunner:
         log.info("task %s: code version %s (%s lane)", self.t.name, self.code, self.lane.role)
         settings = Settings.of(self.cfg.queues, batch=self.t.concurrency)
         stream = self.keys.tasks(self.t.name)
+        beat = {"code_version": self.code, "task": self.t.name, "model": self.t.model, "lane": self.lane.role}
         async with Runtime(self.url, self.keys, stream, self.lane.group, self.name, settings,
-                           start=self.lane.start, stop=stop) as rt:
+                           start=self.lane.start, stop=stop, role="env", beat=lambda: beat) as rt:
             if self.ready:
                 self.ready()
             await rt.serve_each(self._episode, stop, concurrency=self.t.concurrency,

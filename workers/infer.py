@@ -135,7 +135,9 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
     try:
         rw = await retry_forever(lambda: connect(url, block_ms=settings.block_ms, name=name), url=url,
                                  what="connect", stop=stop)
-        async with Runtime(url, keys, keys.gen(model), GROUP_INFER, name, settings, stop=stop) as rt:
+        beat = {"model": model, "backend": backend_kind or m.backend}
+        async with Runtime(url, keys, keys.gen(model), GROUP_INFER, name, settings, stop=stop, role="infer",
+                           beat=lambda: {**beat, "weight_version": backend.version}) as rt:
             follower = WeightFollower(rt.client, rw, url, keys, model, name, weights_roots(cfg, model),
                                       settings.block_ms)
             await follower.catch_up(backend)
