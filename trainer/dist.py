@@ -23,7 +23,7 @@ from jet.trainer.batch import StepInputs
 from jet.trainer.packing import Row
 
 _INT_COLUMNS = ("input_ids", "position_ids", "parent_index", "subtree_end", "versions", "seq")
-_FLOAT_COLUMNS = ("loss_mask", "behaviour_logprobs", "rewards")
+_FLOAT_COLUMNS = ("loss_mask", "behaviour_logprobs", "temperatures", "top_ps", "rewards")
 
 
 @dataclass(slots=True)

@@ -10,14 +10,15 @@ inference worker decides what goes into a batch and calls `load_weights`
 between batches (the class is not thread-safe).
 
 Invariants:
-- Logprobs are what the trainer recomputes: for each sampled token,
-  log_softmax(logits / temperature)[token] over the FULL vocabulary, i.e.
-  under the temperature-scaled distribution BEFORE top-p truncation, computed
-  in float32. Temperature 0 means greedy (argmax); its logprob is then under
-  temperature 1, log_softmax(logits)[token].
+- Logprobs are what the trainer recomputes: for each sampled token, its
+  logprob under the distribution it was drawn from, the temperature-scaled
+  softmax renormalised over the top-p nucleus, in float32 (`jet.sampling`
+  defines it and finds the nucleus; both sides call it). Temperature 0 means
+  greedy (argmax); its logprob is then under temperature 1,
+  log_softmax(logits)[token] (informational: greedy tokens are never trained).
 - Batch invariance: each request owns a torch.Generator seeded with its seed
   and draws exactly one uniform number per sampled token, and sampling inverts
-  the CDF in token-id order (top-p only decides which ids are kept). So a
+  the CDF in token-id order (top-p only decides which ids are kept, row by row). So a
   request samples the same tokens alone or in any batch, up to float noise in
   the logits at a CDF boundary; greedy matches exactly.
 - A stop token (the request's stop ids plus the generation config's EOS ids)
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from jet import sampling
 from jet.errors import WeightsError
 from jet.wire import file_sha256
 
@@ -118,6 +120,7 @@ class HFBackend:
         stops = [self.eos_ids | frozenset(sp.stop_token_ids) for sp in params]
         gens = [_generator(sp.seed) for sp in params]
         temps = torch.tensor([sp.temperature or 1.0 for sp in params], device=self.device)
+        top_ps = torch.tensor([sp.top_p if sp.temperature else 1.0 for sp in params], device=self.device)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
@@ -128,11 +131,14 @@ class HFBackend:
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  cache=cache, use_cache=True, logits_to_keep=1)
                 logits = out.logits[:, -1, :].float()
-                logp = torch.log_softmax(logits / temps[active, None], dim=-1)
-                picks = [_sample(logits[r], logp[r], params[i], gens[i]) for r, i in enumerate(active)]
+                logp = sampling.tempered_logprobs(logits, temps[active])
+                nucleus = sampling.nucleus_mask(logp, top_ps[active])
+                picks = [_sample(logits[r], logp[r], params[i], gens[i], nucleus[r]) for r, i in enumerate(active)]
+                picked = torch.tensor(picks, dtype=torch.long, device=self.device)
+                reported = sampling.renormalised(logp, picked, top_ps[active], nucleus).tolist()
                 for r, i in enumerate(active):
                     tokens[i].append(picks[r])
-                    logps[i].append(logp[r, picks[r]].item())
+                    logps[i].append(reported[r])
                     if picks[r] in stops[i]:
                         finish[i] = "stop"
                     elif len(tokens[i]) >= limits[i]:
@@ -220,8 +226,11 @@ def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vo
     return None
 
 
-def _sample(logits, logp, sp: SamplingParams, gen) -> int:
-    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy."""
+def _sample(logits, logp, sp: SamplingParams, gen, nucleus=None) -> int:
+    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy.
+
+    `nucleus` is the row's top-p mask (`jet.sampling.nucleus_mask`), computed here when not given.
+    """
     import torch
 
     if sp.temperature == 0:
@@ -229,12 +238,9 @@ def _sample(logits, logp, sp: SamplingParams, gen) -> int:
     u = torch.rand((), generator=gen, dtype=torch.float64).item()
     probs = logp.double().exp()
     if sp.top_p < 1:
-        # Nucleus: the top tokens whose mass first reaches top_p. Keeping every id
-        # with prob >= the last kept one makes the set independent of sort ties.
-        ordered = torch.sort(probs, descending=True).values
-        before = torch.cumsum(ordered, dim=0) - ordered
-        floor = ordered[(before < sp.top_p).sum() - 1]
-        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+        if nucleus is None:
+            nucleus = sampling.nucleus_mask(logp[None], torch.tensor([sp.top_p], device=logp.device))[0]
+        probs = torch.where(nucleus, probs, torch.zeros_like(probs))
     cdf = torch.cumsum(probs, dim=0)  # token-id order, so batch noise cannot reorder it
     target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
     idx = int(torch.searchsorted(cdf, target, right=True).item())
