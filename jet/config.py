@@ -217,6 +217,9 @@ class TrainerConfig:
     seed: int = 0
     # Longest wait for a task with no ready group before a step is filled with other tasks' groups (s).
     mix_wait_s: float = 30.0
+    # A trajectory with a token whose context exceeds micro_batch_tokens: 'truncate' trains the tokens whose
+    # context fits and drops the rest (counted), 'dead_letter' sends the whole trajectory to `dead`.
+    overlong: Literal["truncate", "dead_letter"] = "truncate"
 
     def __post_init__(self):
         positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps", "is_cap",

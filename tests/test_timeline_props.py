@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jet.timeline import MODES, Call, Episode, Sample, merge_calls, merge_episodes, split_sample
+from jet.timeline import MODES, Call, Episode, Sample, merge_calls, merge_episodes, split_sample, truncate_sample
 from jet.trainer.packing import pack
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -161,6 +161,20 @@ def test_split_keeps_every_trained_token_and_its_context(calls, budget):
         assert all(len(p) <= budget for p in pieces)
         assert trained_tokens(pieces) == trained_tokens([s])
         check_samples(pieces)
+
+
+@SETTINGS
+@given(call_lists(), st.sampled_from(MODES), st.integers(1, 12))
+def test_truncation_keeps_exactly_the_trained_tokens_whose_context_fits(calls, mode, budget):
+    for s in merge_calls(calls, mode):
+        cut = truncate_sample(s, budget)
+        fits = Counter({k: n for k, n in trained_tokens([s]).items() if len(k[1]) < budget})
+        if cut is None:
+            assert not fits
+            continue
+        assert max(cut.positions) < budget and trained_tokens([cut]) == fits
+        check_samples([cut])
+        assert trained_tokens(split_sample(cut, budget)) == fits, "a truncated sample always splits"
 
 
 def naive_ancestor_mask(parents: list[int]) -> torch.Tensor:

@@ -48,6 +48,7 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 class TorchBackend:
     rank, world = 0, 1
+    retryable = True  # a failed train_step leaves nothing behind: the next one zeroes the gradients first
 
     def __init__(self, model_path: str, cfg: TrainerConfig, device: str | None = None):
         self.cfg = cfg

@@ -11,6 +11,9 @@ synchronous training loop plain methods:
 - `ack(entries)`: acks entries and sets their idempotency markers in one
   atomic step (`Consumer.commit` with no outputs): called only after the
   checkpoint recording their fate is on disk;
+- `dead(entry_id, reason)`: dead-letters one held entry with the trainer's
+  reason (the dead letter and the ack are one atomic step): a trajectory the
+  trainer can never train (`jet.trainer.screen`);
 - `publish(w)`: announces a WeightVersion on `weights:<model>` (dedup'd by
   its message id, so a retried publish is announced once);
 - `latest_weights()`, `lag()`: the newest announcement; the group's lag.
@@ -103,6 +106,12 @@ class Feed:
         """Ack (entry id, message id) pairs, with their markers; safe to repeat."""
         if entries:
             self.portal.call(self._ack, list(entries))
+
+    def dead(self, entry_id: str, reason: str) -> None:
+        """Dead-letter a held entry with `reason`; it is never handed out again (unknown ids: no-op)."""
+        d = self.held.pop(entry_id, None)
+        if d is not None:
+            self.portal.call(self._dead, d, reason)
 
     def publish(self, w: WeightVersion) -> None:
         self.portal.call(self._publish, w)
