@@ -122,7 +122,9 @@ class Checkpoints:
         folder = self.dir / _name(*whole[-1])
         state = json.loads((folder / STATE_FILE).read_text())
         if self.rank == 0 and not (self.ledger / f"{folder.name}.json").is_file():
+            self.ledger.mkdir(parents=True, exist_ok=True)  # the first checkpoint's crash can precede the folder
             write_json(self.ledger / f"{folder.name}.json", state["consumed"])
+            fsync_path(self.ledger)
         return folder, state
 
     def write(self, step: int, state: dict, save: Callable[[Path], None]) -> Path:
