@@ -77,6 +77,7 @@ def main(log_level: str) -> None:
         "merge": ("jet.bench.merge:cli", "Tokens and train time: none vs exact vs tree merging."),
         "async": ("jet.bench.async_:cli", "Trainer throughput: synchronous barrier vs bounded staleness."),
         "staleness": ("jet.bench.staleness:cli", "Reward at equal steps on k-versions-old batches, per objective."),
+        "gpu": ("jet.bench.gpu:cli", "Device check: generation and training tokens/s and MFU, Qwen2-0.5B shape."),
     },
 )
 def bench() -> None:

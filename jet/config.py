@@ -209,6 +209,9 @@ class TrainerConfig:
     nproc: int = 1
     # Torch device of the trainer ('cpu', 'cuda'); deepspeed ranks on 'cuda' use cuda:<local rank>.
     device: str = "cpu"
+    # Compute dtype of forward/backward: 'bfloat16' autocasts over float32 master weights (torch backend)
+    # or runs DeepSpeed's bf16 mode (its optimiser keeps float32 master weights); logprobs stay float32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # Lease on consumed trajectories, held (and renewed) until a checkpoint makes their step durable (s).
     lease_s: float = 600.0
     # Checkpoints kept in the run folder; older ones are deleted (count).

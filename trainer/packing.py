@@ -168,7 +168,9 @@ def row_logprobs(model: torch.nn.Module, row: Row) -> torch.Tensor:
     """
     param = next(model.parameters())
     ids, parents = row.input_ids.to(param.device), row.parent_index.to(param.device)
-    mask = None if row.causal else row.attention_mask(param.dtype).to(param.device)
+    kind = param.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else param.dtype
+    mask = None if row.causal else row.attention_mask(dtype).to(param.device)
     positions = row.position_ids.to(param.device)
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
     return token_logprobs(out.logits.float(), ids, parents, row.temperatures, row.top_ps)
