@@ -18,6 +18,9 @@ logprobs, versions and each token's sampling settings) and `merge_calls` /
 - ``tree``: all calls of one model go into one prefix tree (trie); every
   distinct token position is stored once (see `jet.timeline_tree`).
 
+Cutting a sample to a token budget (`split_sample`, `truncate_sample`) lives in
+`jet.timeline_split` and is re-exported here.
+
 Greedy calls (temperature 0) are context, never trained: their completion
 tokens get mask 0 like prompt tokens. A greedy token was not drawn from any
 distribution the trainer could evaluate (its behaviour probability is 1, the
