@@ -17,7 +17,7 @@ where the loop keeps rows and tables (they move to the model's device in
 exists, one rank included, so a one-process DeepSpeed run (the GPU check)
 exercises the same code as many.
 
-What it is not: a launcher (`jet.trainer.launch` starts the processes) or a
+What it is not: a launcher (`jet train` starts the processes) or a
 reader of Redis: only rank 0 talks to the queues.
 """
 

@@ -155,7 +155,7 @@ def training(kind: str, model_dir: Path, shape: dict, device: str, row_tokens: i
         for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
             os.environ.setdefault(k, v)
         if "MASTER_PORT" not in os.environ:
-            from jet.trainer.launch import free_port
+            from jet.queues.server import free_port
 
             os.environ["MASTER_PORT"] = str(free_port())
         comm = init_distributed(device)

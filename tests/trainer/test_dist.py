@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from jet.trainer.dist import Comm, collective_device
-from jet.trainer.launch import free_port
+from jet.queues.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("input_ids", "position_ids", "parent_index", "subtree_end", "versions", "seq", "loss_mask",
