@@ -47,6 +47,7 @@ def main(log_level: str) -> None:
         "async": ("jet.bench.async_:cli", "Trainer throughput: synchronous barrier vs bounded staleness."),
         "staleness": ("jet.bench.staleness:cli", "Reward at equal steps on k-versions-old batches, per objective."),
         "rollout": ("jet.bench.rollout:cli", "Generation tokens/s: direct vs full path, continuous vs batch-sync."),
+        "gpu": ("jet.bench.gpu:cli", "Device check: generation and training tokens/s and MFU, Qwen2-0.5B shape."),
     },
 )
 def bench() -> None:

@@ -216,6 +216,9 @@ class TrainerConfig:
     nproc: int = 1
     # Torch device of the trainer ('cpu', 'cuda'); deepspeed ranks on 'cuda' use cuda:<local rank>.
     device: str = "cpu"
+    # Compute dtype of forward/backward: 'bfloat16' autocasts over float32 master weights (torch backend)
+    # or runs DeepSpeed's bf16 mode (its optimiser keeps float32 master weights); logprobs stay float32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # Lease on consumed trajectories, held (and renewed) until a checkpoint makes their step durable (s).
     lease_s: float = 600.0
     # Checkpoints kept in the run folder; older ones are deleted (count).
@@ -228,6 +231,9 @@ class TrainerConfig:
     # installed), wandb ($WANDB_PROJECT, $WANDB_MODE, ...), mlflow ($MLFLOW_TRACKING_URI, else a local store).
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = field(
         default_factory=lambda: ["jsonl", "tensorboard"])
+    # A trajectory with a token whose context exceeds micro_batch_tokens: 'truncate' trains the tokens whose
+    # context fits and drops the rest (counted), 'dead_letter' sends the whole trajectory to `dead`.
+    overlong: Literal["truncate", "dead_letter"] = "truncate"
 
     def __post_init__(self):
         positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps", "is_cap",

@@ -16,14 +16,15 @@ What it is not: a server. No Redis; the sync API is not thread-safe, and is not
 to be mixed with the async one while async calls are in flight.
 
 Invariants:
-- Logprobs are what the trainer recomputes: for each sampled token,
-  log_softmax(logits / temperature)[token] over the FULL vocabulary, i.e.
-  under the temperature-scaled distribution BEFORE top-p truncation, computed
-  in float32. Temperature 0 means greedy (argmax); its logprob is then under
-  temperature 1, log_softmax(logits)[token].
+- Logprobs are what the trainer recomputes: for each sampled token, its
+  logprob under the distribution it was drawn from, the temperature-scaled
+  softmax renormalised over the top-p nucleus, in float32 (`jet.sampling`
+  defines it and finds the nucleus; both sides call it). Temperature 0 means
+  greedy (argmax); its logprob is then under temperature 1,
+  log_softmax(logits)[token] (informational: greedy tokens are never trained).
 - Batch invariance: each request owns a torch.Generator seeded with its seed
   and draws exactly one uniform number per sampled token, and sampling inverts
-  the CDF in token-id order (top-p only decides which ids are kept). So a
+  the CDF in token-id order (top-p only decides which ids are kept, row by row). So a
   request samples the same tokens alone or in any batch, up to float noise in
   the logits at a CDF boundary; greedy matches exactly.
 - A stop token (the request's stop ids plus the generation config's EOS ids)
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from jet import sampling
 from jet.errors import WeightsError
 from jet.wire import file_sha256
 
@@ -214,17 +216,23 @@ def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vo
 
 def pick_tokens(logits, params: list[SamplingParams], gens: list) -> list[tuple[int, float]]:
     """One (token id, logprob) per row of `logits` (float32, [rows, vocab]): the sampling math of
-    both APIs (see the module docstring for what the logprob is)."""
+    both APIs (see the module docstring for what the logprob is: `jet.sampling`)."""
     import torch
 
     temps = torch.tensor([sp.temperature or 1.0 for sp in params], device=logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    picks = [_sample(logits[r], logp[r], sp, gen) for r, (sp, gen) in enumerate(zip(params, gens))]
-    return [(tok, logp[r, tok].item()) for r, tok in enumerate(picks)]
+    top_ps = torch.tensor([sp.top_p if sp.temperature else 1.0 for sp in params], device=logits.device)
+    logp = sampling.tempered_logprobs(logits, temps)
+    nucleus = sampling.nucleus_mask(logp, top_ps)
+    picks = [_sample(logits[r], logp[r], sp, gen, nucleus[r]) for r, (sp, gen) in enumerate(zip(params, gens))]
+    reported = sampling.renormalised(logp, torch.tensor(picks, device=logits.device), top_ps, nucleus).tolist()
+    return list(zip(picks, reported))
 
 
-def _sample(logits, logp, sp: SamplingParams, gen) -> int:
-    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy."""
+def _sample(logits, logp, sp: SamplingParams, gen, nucleus=None) -> int:
+    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy.
+
+    `nucleus` is the row's top-p mask (`jet.sampling.nucleus_mask`), computed here when not given.
+    """
     import torch
 
     if sp.temperature == 0:
@@ -232,12 +240,9 @@ def _sample(logits, logp, sp: SamplingParams, gen) -> int:
     u = torch.rand((), generator=gen, dtype=torch.float64).item()
     probs = logp.double().exp()
     if sp.top_p < 1:
-        # Nucleus: the top tokens whose mass first reaches top_p. Keeping every id
-        # with prob >= the last kept one makes the set independent of sort ties.
-        ordered = torch.sort(probs, descending=True).values
-        before = torch.cumsum(ordered, dim=0) - ordered
-        floor = ordered[(before < sp.top_p).sum() - 1]
-        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+        if nucleus is None:
+            nucleus = sampling.nucleus_mask(logp[None], torch.tensor([sp.top_p], device=logp.device))[0]
+        probs = torch.where(nucleus, probs, torch.zeros_like(probs))
     cdf = torch.cumsum(probs, dim=0)  # token-id order, so batch noise cannot reorder it
     target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
     idx = int(torch.searchsorted(cdf, target, right=True).item())
