@@ -101,8 +101,14 @@ class ModelConfig:
     trainable: bool = True
     # Torch device of the inference worker ('cpu', 'cuda', 'cuda:1').
     device: str = "cpu"
-    # Generation requests batched together by one inference worker (requests).
+    # Unused since the inference worker serves per request (max_inflight); accepted for old configs.
     max_batch: int = 16
+    # Inference dtype; float32 gives the logprobs a float32 trainer recomputes (bfloat16 is faster on GPUs).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Generation requests one inference worker decodes at once, each answered as it completes (requests).
+    max_inflight: int = 64
+    # Folders weight announcements may point into besides <runs_dir>/<run>/weights/<model> (paths).
+    weights_roots: list[str] = field(default_factory=list)
     # This model's trainer settings over the top-level `trainer` section (e.g. {lr: 1e-4, seed: 1}).
     trainer: dict[str, Any] = field(default_factory=dict)
 
@@ -111,6 +117,7 @@ class ModelConfig:
         require(bool(self.path), "path", "must not be empty")
         require(bool(self.device), "device", "must not be empty")
         positive(self, "max_batch")
+        positive(self, "max_inflight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +216,9 @@ class TrainerConfig:
     nproc: int = 1
     # Torch device of the trainer ('cpu', 'cuda'); deepspeed ranks on 'cuda' use cuda:<local rank>.
     device: str = "cpu"
+    # Compute dtype of forward/backward: 'bfloat16' autocasts over float32 master weights (torch backend)
+    # or runs DeepSpeed's bf16 mode (its optimiser keeps float32 master weights); logprobs stay float32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # Lease on consumed trajectories, held (and renewed) until a checkpoint makes their step durable (s).
     lease_s: float = 600.0
     # Checkpoints kept in the run folder; older ones are deleted (count).
@@ -217,6 +227,13 @@ class TrainerConfig:
     seed: int = 0
     # Longest wait for a task with no ready group before a step is filled with other tasks' groups (s).
     mix_wait_s: float = 30.0
+    # Metric sinks of rank 0: jsonl (metrics.jsonl, read by `jet dash` and `jet plot`), tensorboard (when
+    # installed), wandb ($WANDB_PROJECT, $WANDB_MODE, ...), mlflow ($MLFLOW_TRACKING_URI, else a local store).
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=lambda: ["jsonl", "tensorboard"])
+    # A trajectory with a token whose context exceeds micro_batch_tokens: 'truncate' trains the tokens whose
+    # context fits and drops the rest (counted), 'dead_letter' sends the whole trajectory to `dead`.
+    overlong: Literal["truncate", "dead_letter"] = "truncate"
 
     def __post_init__(self):
         positive(self, "lr", "batch_groups", "micro_batch_tokens", "publish_every", "clip_eps", "steps", "is_cap",
@@ -224,6 +241,7 @@ class TrainerConfig:
         non_negative(self, "max_staleness", "checkpoint_every", "kl_coef", "grad_clip", "warmup_steps", "seed",
                      "weight_decay", "mix_wait_s")
         require(bool(self.device), "device", "must not be empty")
+        require(len(set(self.loggers)) == len(self.loggers), "loggers", f"duplicate logger in {self.loggers}")
 
 
 @dataclass(frozen=True, slots=True)
