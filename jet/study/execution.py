@@ -171,7 +171,9 @@ def run_env(req: RunRequest) -> dict[str, str]:
 
 def keeper_argv(req: RunRequest, files: RunFiles, url: str) -> list[str]:
     py = sys.executable
-    up = [py, "-m", "jet.cli", "up", "--config", files.config, "--redis-url", url, "--no-live"]
+    # --no-dash: runs of a study run side by side (a dashboard each would fight for one port); `jet dash`
+    # shows them all from the study folder
+    up = [py, "-m", "jet.cli", "up", "--config", files.config, "--redis-url", url, "--no-live", "--no-dash"]
     up += [x for o in files.overrides for x in ("--set", o)]
     return [py, "-m", "jet.study.keeper", "--redis-url", url, "--study", req.study, "--run", req.run,
             "--log", str(files.log), "--grace-s", str(req.stop_grace_s), "--", *up]
