@@ -229,7 +229,8 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
             proc.send_signal(signal.SIGTERM)
     await _stream(r, url, keys, req, mpath, sent, offset)
     rows = read_rows(mpath)
-    if drain or proc.returncode == EXIT_NO_LEASE:
+    finished = proc.returncode == 0 and bool(rows) and int(rows[-1]["step"]) >= req.steps
+    if (drain and not finished) or proc.returncode == EXIT_NO_LEASE:  # a run that finished meanwhile counts
         return Retry("the study worker is draining or the study is paused: the run resumes from its checkpoint "
                      "on the next attempt")
     status, reason = classify(proc.returncode, rows, req, stop, timed_out, _tail(files.log))

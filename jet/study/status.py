@@ -43,10 +43,10 @@ async def table(state):
         last = max(curve) if curve else 0
         flight.add_row(run, str(last), str(state.launched[run].steps), fmt(curve.get(last)) if curve else "-")
     best = analysis.leaders(s, sums, set(), 1)
-    used = time.time() - state.started
+    used = (state.ended_at or time.time()) - state.started
     tokens = int(await state.r.hget(state.keys.study_state, "planner_tokens") or 0)
     lines = [t, flight,
-             Text("best so far: " + (f"arm {best[0]} ({sums[best[0]].label}), mean {fmt(sums[best[0]].mean(0))}"
+             Text("best so far: " + (f"arm {best[0]} ({sums[best[0]].label}), screening mean {fmt(sums[best[0]].mean(0))}"
                                      if best else "none yet")),
              Text(f"budget left: {b.max_runs - len(state.launched)} of {b.max_runs} runs, "
                   f"{max(0.0, b.max_wall_hours - used / 3600):.2f} of {b.max_wall_hours} h, "
