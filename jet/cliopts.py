@@ -8,7 +8,7 @@ jet.queues.server). The run name from `--run`, else $JET_RUN, else `--config`'s
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import click
 
@@ -25,26 +25,42 @@ run_dir_option = click.option("--run-dir", default=".jet", show_default=True,
                               help="Where the embedded server keeps its data and server.json.")
 
 
+def default_config() -> str:
+    """The config `--config` reads when not given: the one shipped in the package (any folder works)."""
+    from jet.config import default_config_path
+
+    return str(default_config_path())
+
+
 def config_options(reads: str):
-    """`--config` (default configs/default.yaml, or $JET_CONFIG) and repeatable `--set KEY=VALUE`;
+    """`--config` (default: $JET_CONFIG, else the packaged default config) and repeatable `--set KEY=VALUE`;
     `reads` names the sections the command uses, for the help text."""
     def decorate(f):
         f = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")(f)
-        return click.option("--config", "config_path", default="configs/default.yaml", show_default=True,
-                            envvar="JET_CONFIG", type=click.Path(dir_okay=False),
+        return click.option("--config", "config_path", default=default_config, envvar="JET_CONFIG",
+                            show_default="packaged jet/configs/default.yaml", type=click.Path(dir_okay=False),
                             help=f"Experiment config ({reads}).")(f)
     return decorate
 
 
-def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()):
-    """The JetConfig at `path` with `overrides`; a bad one is a one-line CLI error naming the key."""
-    from jet.config import load_file
+def load_config(path: str, overrides: tuple[str, ...] | list[str] = (), *, models: bool | Iterable[str] = False):
+    """The JetConfig at `path` with `overrides`; a bad one is a one-line CLI error naming the key.
+
+    `models`: the models whose directories the caller loads (True: every model). Each must hold a
+    model, else the error names its `models[i].path`, not a traceback from transformers."""
+    from jet.config import check_models, load_file
     from jet.errors import ConfigError
 
     try:
-        return load_file(path, overrides)
+        cfg = load_file(path, overrides)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+    try:
+        if models is not False:
+            check_models(cfg, None if models is True else models)
+    except ConfigError as e:
+        raise click.ClickException(f"{path}: {e}") from None
+    return cfg
 
 
 def resolve_url(url: str | None, run_dir: str = ".jet") -> str:

@@ -59,7 +59,7 @@ def train(config_path, overrides, model, backend, nproc, device, redis_url) -> N
     """Train a model on its trajectories (traj:<model>), publishing weights to weights:<model>."""
     from jet.config import REDIS_URL_ENV
 
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, models=[model] if model else True)
     model = _trained_model(cfg, model)
     backend = backend or cfg.trainer_of(model).backend
     nproc = nproc or cfg.trainer_of(model).nproc

@@ -357,7 +357,7 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
     from jet.config import REDIS_URL_ENV
     from jet.workers.processes import run_until_signal, supervise_children
 
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, models=True)
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
     if unknown:
         raise click.UsageError(f"--task: unknown task(s) {unknown}; configured: {[t.name for t in cfg.tasks]}")

@@ -306,7 +306,7 @@ def cli(config_path, overrides, host, port, redis_url) -> None:
     """OpenAI-compatible API (/v1/chat/completions, /v1/models) whose calls are recorded in their episodes."""
     from jet.workers.processes import run_until_signal
 
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, models=True)
     if not cfg.models:
         raise click.ClickException(f"{config_path}: no models configured")
     url = resolve_url(redis_url)

@@ -177,7 +177,7 @@ def cli(config_path, overrides, model, backend, device, processes, slot, redis_u
     from jet.config import REDIS_URL_ENV
     from jet.workers.processes import run_until_signal, supervise
 
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, models=[model] if model else True)
     if model is None:
         if len(cfg.models) != 1:
             raise click.UsageError(f"--model is required: configured models are {[m.name for m in cfg.models]}")
