@@ -54,6 +54,7 @@ def setup_logging(level: str) -> None:
         "status": ("jet.status:cli", "Show every stream of a run: length, pending, lag, consumers."),
         "dlq": ("jet.status:dlq", "List, requeue or drop dead letters."),
         "up": ("jet.up:cli", "Run everything on this machine (embedded Redis + roles)."),
+        "init": ("jet.starter:cli", "Write a starter project (config, OpenAI-SDK agent, dataset) to a folder."),
         "gateway": ("jet.workers.gateway:cli", "OpenAI-compatible API whose calls are recorded in their episodes."),
         "feed": ("jet.feed:cli", "Keep the task streams of a config topped up from their datasets."),
         "bench": ("jet.cli:bench", "Benchmarks that print ratios against an in-run baseline."),
