@@ -43,24 +43,28 @@ def config_options(reads: str):
     return decorate
 
 
-def load_config(path: str, overrides: tuple[str, ...] | list[str] = (), *, models: bool | Iterable[str] = False):
-    """The JetConfig at `path` with `overrides`; a bad one is a one-line CLI error naming the key.
-
-    `models`: the models whose directories the caller loads (True: every model). Each must hold a
-    model, else the error names its `models[i].path`, not a traceback from transformers."""
-    from jet.config import check_models, load_file
+def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()):
+    """The JetConfig at `path` with `overrides`; a bad one is a one-line CLI error naming the key."""
+    from jet.config import load_file
     from jet.errors import ConfigError
 
     try:
-        cfg = load_file(path, overrides)
+        return load_file(path, overrides)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+
+
+def require_models(cfg, path: str, names: Iterable[str] | None = None) -> None:
+    """Each model named (every model when None) has a model directory at its path, else a one-line CLI
+    error naming `models[i].path`: a role that loads a model calls this first, so a wrong path is not a
+    traceback from transformers."""
+    from jet.config import check_models
+    from jet.errors import ConfigError
+
     try:
-        if models is not False:
-            check_models(cfg, None if models is True else models)
+        check_models(cfg, names)
     except ConfigError as e:
         raise click.ClickException(f"{path}: {e}") from None
-    return cfg
 
 
 def resolve_url(url: str | None, run_dir: str = ".jet") -> str:

@@ -18,7 +18,7 @@ import threading
 
 import click
 
-from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.errors import JetError
 
 
@@ -59,8 +59,9 @@ def train(config_path, overrides, model, backend, nproc, device, redis_url) -> N
     """Train a model on its trajectories (traj:<model>), publishing weights to weights:<model>."""
     from jet.config import REDIS_URL_ENV
 
-    cfg = load_config(config_path, overrides, models=[model] if model else True)
+    cfg = load_config(config_path, overrides)
     model = _trained_model(cfg, model)
+    require_models(cfg, config_path, [model])
     backend = backend or cfg.trainer_of(model).backend
     nproc = nproc or cfg.trainer_of(model).nproc
     rank = os.environ.get("RANK")

@@ -69,7 +69,7 @@ import anyio
 import click
 
 import jet
-from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig, TaskConfig
 from jet.errors import CodecError, ConfigError, ConnectError, QueueError
 from jet.keys import GROUP_ENV, GROUP_ENV_SHADOW, Keys
@@ -357,10 +357,11 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
     from jet.config import REDIS_URL_ENV
     from jet.workers.processes import run_until_signal, supervise_children
 
-    cfg = load_config(config_path, overrides, models=True)
+    cfg = load_config(config_path, overrides)
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
     if unknown:
         raise click.UsageError(f"--task: unknown task(s) {unknown}; configured: {[t.name for t in cfg.tasks]}")
+    require_models(cfg, config_path)
     url = resolve_url(redis_url)
     chosen = [t for t in cfg.tasks if not tasks or t.name in tasks]
     apart = [t for t in chosen if not same_python(t.runtime.python)]  # their own interpreter: own processes

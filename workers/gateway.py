@@ -55,7 +55,7 @@ import anyio
 import click
 import orjson
 
-from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig
 from jet.errors import GenerationError, GenerationTimeout, JetError, QueueError
 from jet.keys import Keys
@@ -306,9 +306,10 @@ def cli(config_path, overrides, host, port, redis_url) -> None:
     """OpenAI-compatible API (/v1/chat/completions, /v1/models) whose calls are recorded in their episodes."""
     from jet.workers.processes import run_until_signal
 
-    cfg = load_config(config_path, overrides, models=True)
+    cfg = load_config(config_path, overrides)
     if not cfg.models:
         raise click.ClickException(f"{config_path}: no models configured")
+    require_models(cfg, config_path)
     url = resolve_url(redis_url)
     try:
         run_until_signal(lambda stop: run(cfg, url, stop, host=host, port=port))
