@@ -21,7 +21,6 @@ environment (`JET_REDIS_URL`) or the CLI; a config file that names one is refuse
 
 from __future__ import annotations
 
-import difflib
 import importlib.resources
 import os
 import re
@@ -32,15 +31,13 @@ from pydantic import AfterValidator, Field, NonNegativeFloat, NonNegativeInt, Po
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
 from jet import configlib
-from jet.configlib import Section, invalid, problem
+from jet.configlib import Section, hint, invalid, problem
 from jet.errors import ConfigError
 from jet.keys import check_name
 
-__all__ = [
-    "JetConfig", "QueueConfig", "ModelConfig", "TaskConfig", "RuntimeConfig", "TrainerConfig",
-    "load", "load_file", "dump", "write_resolved", "redis_url", "check_models", "default_config_path",
-    "REDIS_URL_ENV", "RESOLVED_NAME",
-]
+__all__ = ["JetConfig", "QueueConfig", "ModelConfig", "TaskConfig", "RuntimeConfig", "TrainerConfig", "load",
+           "load_file", "dump", "write_resolved", "redis_url", "check_models", "default_config_path",
+           "REDIS_URL_ENV", "RESOLVED_NAME"]
 
 REDIS_URL_ENV = "JET_REDIS_URL"
 RESOLVED_NAME = "config.resolved.yaml"
@@ -99,9 +96,8 @@ class QueueConfig(Section):
     def _kinds(cls, maxlen: dict[str, int]) -> dict[str, int]:
         for kind in maxlen:
             if kind not in STREAM_KINDS:
-                close = difflib.get_close_matches(kind, STREAM_KINDS, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else f"; one of {', '.join(STREAM_KINDS)}"
-                raise problem(kind, f"unknown stream kind{hint}")
+                raise problem(kind, "unknown stream kind" + (hint(kind, STREAM_KINDS) or
+                                                             f"; one of {', '.join(STREAM_KINDS)}"))
         return {**DEFAULT_MAXLEN, **maxlen}
 
     @model_validator(mode="after")
@@ -295,9 +291,7 @@ class JetConfig(Section):
             return self.trainer
         for key in m.trainer:
             if key not in TrainerConfig.model_fields:
-                close = difflib.get_close_matches(str(key), list(TrainerConfig.model_fields), n=1)
-                raise problem(f"{path}.{key}", "unknown trainer setting" + (f" (did you mean {close[0]!r}?)"
-                                                                            if close else ""))
+                raise problem(f"{path}.{key}", "unknown trainer setting" + hint(str(key), TrainerConfig.model_fields))
         try:
             return TrainerConfig.model_validate({**dump(self.trainer), **m.trainer})
         except ValidationError as err:
@@ -356,12 +350,10 @@ def _resolve_paths(cfg: JetConfig, base: Path) -> JetConfig:
     tasks = []
     for t in cfg.tasks:
         python = t.runtime.python
-        runtime = t.runtime.model_copy(update={
-            # An interpreter path keeps its symlinks: a virtual env's python links to its base one.
-            "python": os.path.abspath(base / Path(python).expanduser()) if python and ("/" in python or os.sep in python)
-            else python,
-            "cwd": resolve(t.runtime.cwd) if t.runtime.cwd else None,
-        })
+        if python and ("/" in python or os.sep in python):  # a path, not a command on PATH
+            python = os.path.abspath(base / Path(python).expanduser())  # keeps symlinks: a venv's python links
+        runtime = t.runtime.model_copy(update={"python": python,
+                                               "cwd": resolve(t.runtime.cwd) if t.runtime.cwd else None})
         dataset = resolve(t.dataset) if _is_path(t.dataset) else t.dataset
         tasks.append(t.model_copy(update={"dataset": dataset, "runtime": runtime}))
     return cfg.model_copy(update={"models": models, "tasks": tasks})

@@ -1,14 +1,13 @@
 """The glue between YAML, pydantic and Jet's one-line config errors.
 
 What it is: `Section`, the base of every config section (a pydantic v2 model:
-frozen, unknown keys forbidden, strict types: no `'1'` -> 1, a bool is not an
-int, an int is accepted for a float and stored as one; an empty section takes
-its defaults); `validate`, which turns pydantic's ValidationError into one
-`ConfigError` whose message starts with the offending path
-(`tasks[0].weight: expected float, got 'x'`); the YAML reader (YAML 1.2
-floats, no duplicate keys) and `--set a.b.c=value` overrides, whose key path is
-checked against the schema as it is walked. What it is not: the schema (that is
-`jet.config`); the checks themselves are pydantic's.
+frozen, unknown keys forbidden, strict: no `'1'` -> 1, a bool is neither an int
+nor a literal 1, an int is taken for a float and stored as one; a section given
+as null takes its defaults); `validate`, which reports pydantic's first error as
+one `ConfigError` starting with the path (`tasks[0].weight: expected float, got
+'x'`); the YAML reader (YAML 1.2 floats, no duplicate keys) and `--set a.b=v`
+overrides, whose key path is checked against the schema as it is walked. What
+it is not: the schema (`jet.config`) or the checks (pydantic's).
 
 Invariants: every error raised on purpose is a `ConfigError` carrying `.file`,
 `.key` (the path) and `.reason`; `validate(cls, dump(x)) == x` for any section.
@@ -19,9 +18,8 @@ from __future__ import annotations
 import difflib
 import re
 import types
-import typing
 from pathlib import Path
-from typing import Any, Iterable, Literal, Union
+from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
 
 import pydantic
 import yaml
@@ -45,7 +43,7 @@ def invalid(key: str, reason: str, file: str = "") -> ConfigError:
 
 
 def problem(key: str, reason: str) -> PydanticCustomError:
-    """What a validator raises: `key` is relative to the value validated (`"maxlen.taks"`, `"[0].model"`)."""
+    """What a validator raises; `key` is relative to the value validated (`"maxlen.taks"`, `"[0].model"`)."""
     return PydanticCustomError("jet", "{reason}", {"key": key, "reason": reason})
 
 
@@ -53,9 +51,7 @@ def join(path: str, key: str | int) -> str:
     """`join("tasks", 0) == "tasks[0]"`, `join("tasks[0]", "name") == "tasks[0].name"`."""
     if isinstance(key, int):
         return f"{path}[{key}]"
-    if not path or not key or key.startswith("["):
-        return f"{path}{key}"
-    return f"{path}.{key}"
+    return f"{path}{key}" if not path or not key or key.startswith("[") else f"{path}.{key}"
 
 
 def _show(value: Any) -> str:
@@ -64,8 +60,8 @@ def _show(value: Any) -> str:
 
 
 class _Meta(type(pydantic.BaseModel)):
-    # `TrainerConfig(lr=-1.0)` raises the same ConfigError as a file would. Only direct calls come
-    # through here: pydantic builds nested sections without calling the class.
+    # `TrainerConfig(lr=-1.0)` raises the ConfigError a file would; pydantic builds nested sections
+    # without calling the class, so only direct calls come through here.
     def __call__(cls, *args, **kwargs):
         try:
             return super().__call__(*args, **kwargs)
@@ -74,7 +70,7 @@ class _Meta(type(pydantic.BaseModel)):
 
 
 class Section(pydantic.BaseModel, metaclass=_Meta):
-    """A config section; each field's docstring (the line below it) is its description."""
+    """A config section; the docstring under each field is its description."""
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True,
                                        ser_json_inf_nan="constants")
@@ -89,12 +85,11 @@ class Section(pydantic.BaseModel, metaclass=_Meta):
         out = dict(data)
         for name, value in data.items():
             field = cls.model_fields.get(name) if isinstance(name, str) else None
-            tp = _unwrap_optional(field.annotation) if field else None
-            # True == 1 in Python, but not in a config: a literal matches in type too.
-            if typing.get_origin(tp) is Literal and not any(value == c and type(value) is type(c)
-                                                            for c in typing.get_args(tp)):
-                raise problem(name, f"expected one of {_choices(tp)}, got {_show(value)}")
-            if typing.get_origin(tp) is tuple and isinstance(value, list):  # YAML has lists, not tuples
+            tp = _plain(field.annotation) if field else None
+            # True == 1 in Python, not in a config: a literal must match in type too.
+            if get_origin(tp) is Literal and not any(value == c and type(value) is type(c) for c in get_args(tp)):
+                raise problem(name, f"expected {_type_name(tp)}, got {_show(value)}")
+            if get_origin(tp) is tuple and isinstance(value, list):  # YAML has lists, not tuples
                 out[name] = tuple(value)
         return out
 
@@ -114,121 +109,103 @@ def dump(section: Section) -> dict:
 
 
 def _no_secrets(data: Any, path: str) -> None:
-    if isinstance(data, dict):
-        for key, value in data.items():
-            if key in SECRET_KEYS:
-                raise invalid(join(path, key), f"secrets do not belong in config files; {SECRET_KEYS[key]}")
-            _no_secrets(value, join(path, str(key)))
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            _no_secrets(value, join(path, i))
-
-
-# ---- pydantic's errors as one line naming the path
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        if key in SECRET_KEYS and isinstance(data, dict):
+            raise invalid(join(path, key), f"secrets do not belong in config files; {SECRET_KEYS[key]}")
+        _no_secrets(value, join(path, key if isinstance(data, list) else str(key)))
 
 
 def translate(err: pydantic.ValidationError, cls: type, path: str = "") -> ConfigError:
-    """The first of `err`'s errors (an unknown key before the others: a typo explains a missing key)."""
-    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    e = errors[0]
-    where, tp, parent, above = path, cls, None, path
-    loc = list(e["loc"])
+    """pydantic's first error (an unknown key before the rest: a typo explains a missing key) as one line."""
+    e = min(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    kind, ctx, value, loc = e["type"], e.get("ctx") or {}, e.get("input"), e["loc"]
+    where, above, tp, parent = path, path, cls, None
     for i, part in enumerate(loc):
         if part == "[key]":
-            return invalid(where, f"keys must be strings, got {_show(e['input'])}")
-        if _is_union(tp):  # pydantic names the union member it tried: skip it
+            return invalid(where, f"keys must be strings, got {_show(value)}")
+        if get_origin(tp) in (Union, types.UnionType) and len(_options(tp)) > 1:  # the member pydantic tried
             if i == len(loc) - 1:
                 break
-            tp = next((a for a in typing.get_args(tp) if _name(a) == part), Any)
+            tp = next((a for a in get_args(tp) if getattr(a, "__name__", None) == part), Any)
             continue
-        key = part if typing.get_origin(_unwrap_optional(tp)) in (list, tuple) else str(part)  # only lists index
-        parent, above, tp, where = tp, where, _child(tp, part), join(where, key)
-    kind, ctx, value = e["type"], e.get("ctx") or {}, e.get("input")
+        index = get_origin(_plain(tp)) in (list, tuple)  # only lists take [i]; a dict's 1 is .1
+        parent, above, tp, where = tp, where, _child(tp, part), join(where, part if index else str(part))
     if kind == "jet":
         return invalid(join(where, ctx["key"]), ctx["reason"])
-    if kind == "missing" and typing.get_origin(_unwrap_optional(parent)) is tuple:
-        want = len(typing.get_args(_unwrap_optional(parent)))
-        return invalid(above, f"expected a list of {want} items, got {len(value)}")
-    if kind == "missing":
-        return invalid(where, "missing required key")
-    if kind == "invalid_key":
-        return invalid(where, f"keys must be strings, got {_show(loc[-1])}")
-    if kind == "extra_forbidden":
-        close = difflib.get_close_matches(str(loc[-1]), list(getattr(parent, "model_fields", ())), n=1)
-        return invalid(where, "unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind == "missing" and get_origin(_plain(parent)) is tuple:
+        return invalid(above, f"expected a list of {len(get_args(_plain(parent)))} items, got {len(value)}")
+    if tp is float and type(value) is int:
         value = float(value)
-    bounds = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
-              "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
-    if kind in bounds:
-        name, op = bounds[kind]
-        return invalid(where, f"must be {op} {ctx[name]:g}, got {_show(value)}")
-    if kind == "string_too_short":
-        return invalid(where, "must not be empty")
-    if kind in ("too_short", "too_long"):
-        return invalid(where, f"expected a list of {ctx.get('max_length', ctx.get('min_length'))} items, "
-                              f"got {ctx['actual_length']}")
-    if kind == "value_error":
-        return invalid(where, str(ctx["error"]))
-    if kind == "literal_error" and typing.get_origin(tp) is Literal:
-        return invalid(where, f"expected one of {_choices(tp)}, got {_show(value)}")
-    if kind.endswith("_type") or kind == "model_attributes_type":
-        return invalid(where, f"expected {_type_name(tp)}, got {_show(value)}")
-    return invalid(where, f"{e['msg']}, got {_show(value)}")
+    for bound, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+        if bound in ctx and kind.startswith(("greater", "less")):
+            return invalid(where, f"must be {op} {ctx[bound]:g}, got {_show(value)}")
+    reason = {
+        "missing": "missing required key",
+        "invalid_key": f"keys must be strings, got {_show(loc[-1] if loc else value)}",
+        "extra_forbidden": "unknown key" + hint(str(loc[-1]), getattr(_plain(parent), "model_fields", ())),
+        "string_too_short": "must not be empty",
+        "too_long": f"expected a list of {ctx.get('max_length')} items, got {ctx.get('actual_length')}",
+        "value_error": str(ctx.get("error")),
+    }.get(kind)
+    if reason is None:
+        reason = f"expected {_type_name(tp)}, got {_show(value)}" if tp is not Any else f"{e['msg']}: {_show(value)}"
+    return invalid(where, reason)
+
+
+def hint(key: str, names: Iterable[str]) -> str:
+    """` (did you mean 'lr'?)` for the closest of `names`, or ''."""
+    close = difflib.get_close_matches(key, list(names), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---- walking the schema (type hints of the sections)
+
+
+def _options(tp: Any) -> list:
+    return [a for a in get_args(tp) if a is not type(None)]
+
+
+def _plain(tp: Any) -> Any:
+    """`tp` without Annotated metadata and without `| None`."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _plain(get_args(tp)[0])
+    if origin in (Union, types.UnionType) and len(_options(tp)) == 1:
+        return _plain(_options(tp)[0])
+    return tp
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, pydantic.BaseModel)
 
 
 def _child(tp: Any, key: str | int) -> Any:
     """The type found under `key` in a value of type `tp` (Any when the schema does not say)."""
-    tp = _unwrap_optional(tp)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if isinstance(tp, type) and issubclass(tp, pydantic.BaseModel):
+    tp = _plain(tp)
+    origin, args = get_origin(tp), get_args(tp)
+    if _is_section(tp):
         field = tp.model_fields.get(key) if isinstance(key, str) else None
         return field.annotation if field else Any
     if origin is dict:
         return args[1]
     if origin is list or (origin is tuple and args[-1:] == (Ellipsis,)):
         return args[0]
-    if origin is tuple and isinstance(key, int) and key < len(args):
-        return args[key]
-    return Any
-
-
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType) and len(_options(tp)) > 1
-
-
-def _options(tp: Any) -> list:
-    return [a for a in typing.get_args(tp) if a is not type(None)]
-
-
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) is typing.Annotated:
-        return _unwrap_optional(typing.get_args(tp)[0])
-    if typing.get_origin(tp) in (Union, types.UnionType) and len(_options(tp)) == 1:
-        return _unwrap_optional(_options(tp)[0])
-    return tp
-
-
-def _name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is None else str(tp)
-
-
-def _choices(tp: Any) -> str:
-    return ", ".join(repr(c) for c in typing.get_args(tp))
+    return args[key] if origin is tuple and isinstance(key, int) and key < len(args) else Any
 
 
 def _type_name(tp: Any) -> str:
-    tp = _unwrap_optional(tp)
-    origin = typing.get_origin(tp)
-    if tp in (int, float, str, bool):
-        return tp.__name__
-    if origin is dict or (isinstance(tp, type) and issubclass(tp, pydantic.BaseModel)):
+    tp = _plain(tp)
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in get_args(tp))
+    if origin is dict or _is_section(tp):
         return "a mapping"
     if origin in (list, tuple):
         return "a list"
-    if _is_union(tp):
+    if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in _options(tp))
-    return _name(tp)
+    return getattr(tp, "__name__", str(tp))
 
 
 # ---- YAML files and --set overrides
@@ -265,22 +242,18 @@ def read_yaml(path: str | Path) -> dict:
     """The mapping in a YAML file; errors name the file (and the line when the YAML is malformed)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
     except FileNotFoundError:
         raise invalid("", "no such config file", str(path)) from None
     except OSError as err:
         raise invalid("", f"cannot read config file: {err.strerror or err}", str(path)) from None
-    try:
-        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise invalid("", f"invalid YAML: {getattr(err, 'problem', None) or err}", where) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
+    if data is not None and not isinstance(data, dict):
         raise invalid("", f"expected a mapping at the top level, got {type(data).__name__}", str(path))
-    return data
+    return data or {}
 
 
 def parse_override(text: str) -> tuple[list[str | int], Any]:
@@ -306,7 +279,7 @@ def apply_overrides(cls: type, data: dict, overrides: Iterable[str]) -> dict:
         parts, value = parse_override(text)
         node, tp, path = data, cls, ""
         for i, part in enumerate(parts):
-            tp, part = _step(_unwrap_optional(tp), node, part, path)
+            tp, part = _step(_plain(tp), node, part, path)
             path = join(path, part)
             if i == len(parts) - 1:
                 node[part] = value
@@ -319,17 +292,15 @@ def apply_overrides(cls: type, data: dict, overrides: Iterable[str]) -> dict:
 
 def _step(tp: Any, node: Any, part: str | int, path: str) -> tuple[Any, str | int]:
     """One key of an override path: the type found under `part` in `tp`, and the key to use in `node`."""
-    origin = typing.get_origin(tp)
-    is_model = isinstance(tp, type) and issubclass(tp, pydantic.BaseModel)
-    if is_model or origin is dict:
+    origin = get_origin(tp)
+    if _is_section(tp) or origin is dict:
+        part = str(part)
         if not isinstance(node, dict):
             raise invalid(path, f"is not a mapping in the config file (it is {_show(node)})")
-        part = str(part)
         if part in SECRET_KEYS:
             raise invalid(join(path, part), f"secrets do not belong in config files; {SECRET_KEYS[part]}")
-        if is_model and part not in tp.model_fields:
-            close = difflib.get_close_matches(part, list(tp.model_fields), n=1)
-            raise invalid(join(path, part), "unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if _is_section(tp) and part not in tp.model_fields:
+            raise invalid(join(path, part), "unknown key" + hint(part, tp.model_fields))
         return _child(tp, part), part
     if origin in (list, tuple):
         if not isinstance(part, int):
