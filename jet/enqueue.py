@@ -59,14 +59,17 @@ def tasks_for(task: str, rows: list[dict], group_size: int) -> list[Task]:
     return out
 
 
-def encode_rows(task: str, rows: list[tuple[str, dict]], group_size: int, max_bytes: int) -> list[dict]:
-    """The entries of every row's `group_size` tasks; `rows` are (where, row) with `where` naming the row
-    (`file:line`). A row whose entry cannot be encoded or exceeds `max_bytes` is a ConfigError naming it."""
+def encode_rows(task: str, rows: list[tuple[str, dict]], group_size: int, max_bytes: int,
+                keep: int | None = None) -> list[dict]:
+    """The entries of the `group_size` tasks of each of the first `keep` rows (all by default); later rows
+    are checked (one task each) but not kept. `rows` are (where, row), `where` naming the row
+    (`file:line`); a row whose entry cannot be encoded or exceeds `max_bytes` is a ConfigError naming it."""
     from jet.queues.codec import entry_size
 
     entries = []
-    for where, row in rows:
-        for t in tasks_for(task, [row], group_size):
+    for i, (where, row) in enumerate(rows):
+        kept = keep is None or i < keep
+        for t in tasks_for(task, [row], group_size if kept else 1):
             try:
                 fields = t.to_fields()
             except CodecError as e:
@@ -75,7 +78,8 @@ def encode_rows(task: str, rows: list[tuple[str, dict]], group_size: int, max_by
             if size > max_bytes:
                 raise ConfigError(f"{where}: its task entry is {size} bytes, over the entry limit "
                                   f"queues.max_entry_bytes ({max_bytes}); nothing was written")
-            entries.append(fields)
+            if kept:
+                entries.append(fields)
     return entries
 
 
@@ -160,7 +164,7 @@ def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redi
     max_bytes = cfg.queues.max_entry_bytes if config_path else DEFAULT_MAX_BYTES
     try:
         rows, taken, source = _rows(file, dataset, n, seed)
-        entries = encode_rows(task, rows, group_size, max_bytes)[:taken * group_size]
+        entries = encode_rows(task, rows, group_size, max_bytes, keep=taken)
     except (ConfigError, KeyError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     import anyio

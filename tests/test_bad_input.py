@@ -68,6 +68,10 @@ def test_an_oversized_row_late_in_the_file_writes_nothing(tmp_path, redis_url, k
     assert line.startswith(f"Error: {data}:551: its task entry is ") and (
         "over the entry limit queues.max_entry_bytes (4096); nothing was written") in line, line
     assert "Traceback" not in res.stderr
+    # taking only the first rows (-n) still checks the whole file
+    res = run_jet("enqueue", "guess", "--file", str(data), "-n", "5", "--config", str(small_entries),
+                  "--redis-url", redis_url)
+    assert res.returncode == 1 and f"{data}:551: its task entry is " in res.stderr
     assert stream_entries(redis_url, keys.tasks("guess")) == []
 
 
