@@ -257,8 +257,10 @@ def test_empty_file_is_all_defaults(tmp_path):
     assert load_file(write(tmp_path, "# nothing\n")) == JetConfig()
 
 
-def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch):
     (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # never against the folder jet runs in
     path = write(tmp_path / "conf", yaml.safe_dump(minimal(tasks=[{
         "name": "t", "workflow": "a:b", "dataset": "data/rows.jsonl",
         "runtime": {"python": "../venv/bin/python", "cwd": "work"}}])))
