@@ -73,13 +73,16 @@ def tools_key(tools: Sequence[dict] | None) -> str:
     return json.dumps(list(tools or []), sort_keys=True, default=str)
 
 
-def parse_reply(text: str) -> Message:
+def parse_reply(text: str, tool_calls: bool = True) -> Message:
     """An assistant message from completion text (stop token removed).
 
     Each `<tool_call>{"name": ..., "arguments": ...}</tool_call>` that holds
     valid JSON becomes an OpenAI-style tool call (arguments as a JSON string)
     and is cut from the content; anything malformed stays in the content.
+    With `tool_calls=False` (OpenAI's tool_choice "none") all of it is content.
     """
+    if not tool_calls:
+        return {"role": "assistant", "content": text}
     calls, kept, last = [], [], 0
     for match in _TOOL_CALL.finditer(text):
         try:
@@ -197,7 +200,7 @@ class Conversations:
         del self.turns[: -self.max_turns]
         return turn
 
-    def reply(self, completion: Sequence[int], finish_reason: str) -> Message:
+    def reply(self, completion: Sequence[int], finish_reason: str, tool_calls: bool = True) -> Message:
         """The assistant message for a completion (its stop token, when it stopped, removed)."""
         ids = completion[:-1] if finish_reason == "stop" and completion else completion
-        return parse_reply(self.template.decode(ids))
+        return parse_reply(self.template.decode(ids), tool_calls)

@@ -7,49 +7,17 @@ CLI paths match config paths: `jet worker env`, `jet train`, `jet bench queue`.
 
 from __future__ import annotations
 
-import importlib
-import logging
 import os
 
 import click
 
-
-class LazyGroup(click.Group):
-    """A click group whose subcommands are `module:attribute` strings, imported on use."""
-
-    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})  # name -> (import path, one-line help)
-
-    def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
-
-    def get_command(self, ctx, name):
-        if name in self.lazy:
-            module, attr = self.lazy[name][0].split(":")
-            return getattr(importlib.import_module(module), attr)
-        return super().get_command(ctx, name)
-
-    def format_commands(self, ctx, formatter):
-        # Help text from the table, so listing commands imports nothing.
-        rows = [(n, self.lazy[n][1]) for n in sorted(self.lazy)]
-        rows += [(n, c.get_short_help_str()) for n, c in sorted(self.commands.items())]
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(sorted(rows))
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-    )
+from jet.cliopts import LazyGroup, setup_logging
 
 
 @click.group(
     cls=LazyGroup,
     lazy={
-        "server": ("jet.queues.server:cli", "Run the embedded Valkey server (AOF on) and print its URL."),
+        "server": ("jet.server:cli", "Run the embedded Valkey server (AOF on) and print its URL."),
         "enqueue": ("jet.enqueue:cli", "Write dataset rows as Task messages to tasks:<task>."),
         "status": ("jet.status:cli", "Show every stream of a run: length, pending, lag, consumers."),
         "dlq": ("jet.status:dlq", "List, requeue or drop dead letters."),

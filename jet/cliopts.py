@@ -1,4 +1,4 @@
-"""Options and helpers shared by `jet` subcommands: where Redis is, which run.
+"""Options and helpers shared by `jet` subcommands: where Redis is, which run, logging, lazy groups.
 
 The Redis URL comes from `--redis-url`, else $JET_REDIS_URL, else the embedded
 server started from the run directory (`.jet/server.json`, see
@@ -8,6 +8,8 @@ jet.queues.server). The run name from `--run`, else $JET_RUN, else `--config`'s
 
 from __future__ import annotations
 
+import importlib
+import logging
 from typing import Any, Awaitable, Callable, Iterable
 
 import click
@@ -87,3 +89,35 @@ def run_jet(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         return anyio.run(fn, *args)
     except JetError as e:
         raise click.ClickException(str(e)) from None
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are `module:attribute` strings, imported on use."""
+
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})  # name -> (import path, one-line help)
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            module, attr = self.lazy[name][0].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx, formatter):
+        # Help text from the table, so listing commands imports nothing.
+        rows = [(n, self.lazy[n][1]) for n in sorted(self.lazy)]
+        rows += [(n, c.get_short_help_str()) for n, c in sorted(self.commands.items())]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(sorted(rows))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )

@@ -97,3 +97,26 @@ class Keys:
     def short(self, key: str) -> str:
         """`jet:{demo}:tasks:guess` -> `tasks:guess` for display."""
         return key[len(self.prefix):] if key.startswith(self.prefix) else key
+
+    def full(self, short: str) -> str:
+        """`tasks:guess` -> `jet:{demo}:tasks:guess`: the inverse of `short` (a dead letter names its stream short)."""
+        kind, _, name = short.partition(":")
+        if kind not in STREAM_KINDS:
+            raise ValueError(f"unknown stream kind in {short!r}; one of {', '.join(STREAM_KINDS)}")
+        return self.prefix + (f"{kind}:{check_name(kind, name)}" if name else kind)
+
+    def kind(self, key: str) -> str:
+        """The stream kind of one of this run's keys: `jet:{demo}:traj:tiny` -> `traj`."""
+        return self.short(key).split(":", 1)[0]
+
+
+# The kinds of stream a run has (the first part of a key after the run's prefix).
+STREAM_KINDS = ("tasks", "gen", "reply", "traj", "shadow", "weights", "dead", "events")
+ALL_RUNS_PATTERN = "jet:{*}:*"  # SCAN pattern over every run's keys
+
+
+def run_of(key: str) -> str | None:
+    """The run name of a Jet key (`jet:{demo}:tasks:guess` -> `demo`), else None."""
+    if key.startswith("jet:{") and "}" in key:
+        return key[len("jet:{"):key.index("}")]
+    return None

@@ -51,7 +51,7 @@ from jet.chat import Conversations, Message, Template
 from jet.errors import CodecError, ConnectError, GenerationError, GenerationTimeout, JetError
 from jet.keys import Keys
 from jet.queues import codec
-from jet.queues.connect import connect, translated
+from jet.queues.connect import connect, retry_forever, translated
 from jet.queues.producer import Producer
 from jet.timeline import Call
 from jet.wire import GenRequest, GenResult
@@ -59,6 +59,14 @@ from jet.wire import GenRequest, GenResult
 log = logging.getLogger(__name__)
 
 SAMPLING = ("temperature", "top_p", "max_tokens", "stop_token_ids", "seed")
+
+
+class PromptTooLong(JetError):
+    """A prompt over the caller's token limit, refused before any generation request is built."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f"the prompt is {tokens} tokens; at most {limit} fit (the model's context)")
+        self.tokens, self.limit = tokens, limit
 REPLY_TTL_S = 600  # a dead client's reply stream expires after this (s)
 
 
@@ -107,8 +115,10 @@ class LLMClient:
     """Sends generation requests and routes their replies; one per process."""
 
     def __init__(self, url: str, keys: Keys, tokenizers: Tokenizers, *, timeout_s: float = 120.0,
-                 retries: int = 2, block_ms: int = 1000, gen_maxlen: int = 10_000, cid: str | None = None):
+                 retries: int = 2, block_ms: int = 1000, gen_maxlen: int = 10_000, cid: str | None = None,
+                 max_connections: int | None = None):
         self.url, self.keys, self.tokenizers = url, keys, tokenizers
+        self.max_connections = max_connections  # Redis pool size (None: redis-py's default of 100)
         self.timeout_s, self.retries, self.block_ms, self.gen_maxlen = timeout_s, retries, block_ms, gen_maxlen
         self.id = cid or client_id()
         self.reply_to = keys.reply(self.id)
@@ -119,8 +129,11 @@ class LLMClient:
 
     # -- lifecycle (use `open_client`) -----------------------------------------
 
-    async def _open(self) -> None:
-        self.r = await connect(self.url, name=f"jet-llm-{self.id}")
+    async def _open(self, stop: anyio.Event | None = None) -> None:
+        """Connect (waiting for the server with backoff; `stop` ends the wait with `Stopped`)."""
+        self.r = await retry_forever(lambda: connect(self.url, name=f"jet-llm-{self.id}",
+                                                     max_connections=self.max_connections),
+                                     url=self.url, what="llm client: connect", stop=stop)
         self.rb = await connect(self.url, block_ms=self.block_ms, name=f"jet-llm-read-{self.id}")
         self._last = "0-0"
         await self._ensure_stream()
@@ -227,10 +240,11 @@ def _entry_order(entry_id: str | bytes) -> tuple[int, int]:
 
 
 @contextlib.asynccontextmanager
-async def open_client(url: str, keys: Keys, tokenizers: Tokenizers, **kwargs) -> AsyncIterator[LLMClient]:
+async def open_client(url: str, keys: Keys, tokenizers: Tokenizers, *, stop: anyio.Event | None = None,
+                      **kwargs) -> AsyncIterator[LLMClient]:
     """An LLMClient with its reply reader running; closed (reply stream deleted) on exit."""
     client = LLMClient(url, keys, tokenizers, **kwargs)
-    await client._open()
+    await client._open(stop)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client._read_replies)
@@ -260,6 +274,7 @@ class Session:
     def __init__(self, client: LLMClient, episode_id: str, model: str, agent: str = "main"):
         self.client, self.episode_id, self.model, self.agent = client, episode_id, model, agent
         self.calls: list[Call] = []
+        self.undelivered: list[Call] = []  # answered, but the client never received them: never trained
         self.info: dict[str, Any] = {}
         self.tag = uuid.uuid4().hex[:16]  # this run of the episode (a redelivered task's re-run gets another)
         # Set by the env worker's gateway (jet.workers.gateway) so OpenAI-SDK agents reach this episode:
@@ -278,13 +293,19 @@ class Session:
 
     async def chat_completion(self, messages: Sequence[Message], *, model: str | None = None,
                               tools: Sequence[dict] | None = None, agent: str | None = None,
-                              timeout_s: float | None = None, **sampling: Any) -> ChatCompletion:
+                              timeout_s: float | None = None, max_prompt_tokens: int | None = None,
+                              tool_calls: bool = True, **sampling: Any) -> ChatCompletion:
+        """As `chat`, plus the Call and the raw result. A prompt over `max_prompt_tokens` raises
+        PromptTooLong before any request is built; `tool_calls=False` leaves tool-call markup in
+        the reply's content (OpenAI's tool_choice "none")."""
         model, agent = model or self.model, agent if agent is not None else self.agent
         messages = [dict(m) for m in messages]
         conv = await anyio.to_thread.run_sync(self.conversation, model, agent)
         prompt = await anyio.to_thread.run_sync(conv.prompt, messages, tools)
+        if max_prompt_tokens is not None and len(prompt.ids) > max_prompt_tokens:
+            raise PromptTooLong(len(prompt.ids), max_prompt_tokens)
         result, call = await self._generate(prompt.ids, model, agent, timeout_s, sampling)
-        reply = await anyio.to_thread.run_sync(conv.reply, result.token_ids, result.finish_reason)
+        reply = await anyio.to_thread.run_sync(conv.reply, result.token_ids, result.finish_reason, tool_calls)
         conv.record(messages, tools, prompt.ids, result.token_ids, result.finish_reason, reply)
         return ChatCompletion(reply, call, result)
 
@@ -298,6 +319,15 @@ class Session:
     def record(self, call: Call) -> None:
         """Add a call made elsewhere (another process's client, say) to this episode's calls."""
         self.calls.append(call)
+
+    def withdraw(self, call: Call) -> None:
+        """Move a recorded call whose answer never reached the client (it disconnected) from `calls`
+        to `undelivered`: the agent never saw it, so the episode's reward says nothing about it."""
+        for i in range(len(self.calls) - 1, -1, -1):
+            if self.calls[i] is call:
+                del self.calls[i]
+                break
+        self.undelivered.append(call)
 
     def openai_credentials(self, *, model: str | None = None, agent: str | None = None) -> tuple[str, str]:
         """(base URL, API key) of the gateway for this episode's calls as `agent` on `model`."""

@@ -13,8 +13,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from jet.errors import CodecError
-from jet.keys import Keys
+from jet.errors import CodecError, QueueError
+from jet.keys import ALL_RUNS_PATTERN, Keys, run_of
 from jet.queues import codec, scripts
 from jet.queues.connect import translated
 
@@ -26,10 +26,9 @@ def _s(x: Any) -> Any:
 async def runs(r: aioredis.Redis) -> list[str]:
     """Names of the runs that have keys on this server."""
     found = set()
-    async for key in r.scan_iter(match="jet:{*}:*", count=1000):
-        key = _s(key)
-        found.add(key[len("jet:{"):key.index("}")])
-    return sorted(found)
+    async for key in r.scan_iter(match=ALL_RUNS_PATTERN, count=1000):
+        found.add(run_of(_s(key)))
+    return sorted(found - {None})
 
 
 async def report(r: aioredis.Redis, keys: Keys, url: str = "") -> dict:
@@ -73,18 +72,25 @@ async def dead_letters(r: aioredis.Redis, keys: Keys, *, stream: str | None = No
 
 
 async def requeue(r: aioredis.Redis, keys: Keys, dead_ids: list[str], url: str = "") -> int:
-    """Put each dead letter's original entry back on its stream; returns how many moved."""
+    """Put each dead letter's original entry back on its stream; returns how many moved.
+
+    A dead letter whose original was too large to keep whole (`truncated`) cannot be put back:
+    `QueueError` names it, after the others were moved."""
     script = r.register_script(scripts.REQUEUE)
-    moved = 0
+    moved, refused = 0, []
     with translated(url):
         for dead_id in dead_ids:
             entries = await r.xrange(keys.dead, dead_id, dead_id)
             if not entries:
                 continue
             p = codec.decode(entries[0][1], max_bytes=1 << 62)
-            target = keys.prefix + p.meta["stream"]
+            if p.meta.get("truncated"):
+                refused.append(f"{dead_id} (original of {p.meta.get('original_bytes')} bytes kept truncated)")
+                continue
             args = [dead_id] + [x for k, v in p.raw.items() for x in (k, v)]
-            moved += int(await script(keys=[target, keys.dead], args=args))
+            moved += int(await script(keys=[keys.full(p.meta["stream"]), keys.dead], args=args))
+    if refused:
+        raise QueueError(f"moved {moved}; cannot requeue {', '.join(refused)}")
     return moved
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 from typing import Any, Awaitable, Callable, TypeVar
@@ -22,7 +23,7 @@ import redis.exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from jet.errors import ConnectError, QueueError, ServerVersionError
+from jet.errors import AuthError, ClusterError, ConnectError, QueueError, ServerVersionError, Stopped
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +51,32 @@ def env_url() -> str | None:
     return os.environ.get(ENV_URL) or None
 
 
-def make_client(url: str, *, block_ms: int | None = None, name: str | None = None) -> aioredis.Redis:
+def make_client(url: str, *, block_ms: int | None = None, name: str | None = None,
+                max_connections: int | None = None) -> aioredis.Redis:
     """A client for `url`. With `block_ms`, its socket timeout exceeds that BLOCK by 5 s.
+    With `max_connections`, its pool holds that many connections and a command waits (up to the
+    socket timeout) for a free one instead of failing with "Too many connections".
 
     TLS (`rediss://`), passwords and ACL users come from the URL; certificate
     options from the query string (`?ssl_ca_certs=...&ssl_cert_reqs=required`).
     """
     timeout = OP_TIMEOUT_S if block_ms is None else block_ms / 1000 + 5.0
+    options: dict[str, Any] = dict(
+        protocol=2,
+        decode_responses=False,
+        socket_timeout=timeout,
+        socket_connect_timeout=5.0,
+        # One quick retry for a dropped connection; longer outages are the
+        # caller's backoff loop (`retry_forever`), which logs what happens.
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+        client_name=name,
+        health_check_interval=30,
+    )
     try:
-        return aioredis.Redis.from_url(
-            url,
-            protocol=2,
-            decode_responses=False,
-            socket_timeout=timeout,
-            socket_connect_timeout=5.0,
-            # One quick retry for a dropped connection; longer outages are the
-            # caller's backoff loop (`retry_forever`), which logs what happens.
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
-            client_name=name,
-            health_check_interval=30,
-        )
+        if max_connections is None:
+            return aioredis.Redis.from_url(url, **options)
+        return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **options))
     except ValueError as e:
         raise ConnectError(f"bad Redis URL {redact(url)}: {e}") from None
 
@@ -78,7 +85,11 @@ def translate(e: BaseException, url: str) -> QueueError:
     """Map a redis-py exception onto Jet's tree, naming the (redacted) URL."""
     where = redact(url)
     if isinstance(e, rex.AuthenticationError) or "WRONGPASS" in str(e) or "NOAUTH" in str(e):
-        return ConnectError(f"authentication to Redis at {where} failed: {e}")
+        return AuthError(f"authentication to Redis at {where} failed: {e}")
+    text = str(e)
+    if text.startswith(("MOVED ", "ASK ", "CROSSSLOT")) or isinstance(e, getattr(rex, "MovedError", ())):
+        return ClusterError(f"Redis at {where} is a cluster node and answered {text[:80]!r}: use a "
+                            f"redis+cluster:// URL so Jet talks to it with a cluster client")
     if isinstance(e, (rex.ConnectionError, rex.TimeoutError, OSError)):
         return ConnectError(f"cannot reach Redis at {where}: {e}")
     return QueueError(f"Redis at {where}: {e}")
@@ -100,9 +111,10 @@ def parse_version(info: dict[Any, Any]) -> tuple[int, ...]:
     return tuple(int(x) for x in str(raw).split(".")[:3] if x.isdigit())
 
 
-async def connect(url: str, *, block_ms: int | None = None, name: str | None = None) -> aioredis.Redis:
+async def connect(url: str, *, block_ms: int | None = None, name: str | None = None,
+                  max_connections: int | None = None) -> aioredis.Redis:
     """Open a client, check that the server speaks the Redis >= 7.0 API, return it."""
-    client = make_client(url, block_ms=block_ms, name=name)
+    client = make_client(url, block_ms=block_ms, name=name, max_connections=max_connections)
     try:
         with translated(url):
             info = await client.info("server")
@@ -121,18 +133,29 @@ async def connect(url: str, *, block_ms: int | None = None, name: str | None = N
 
 
 async def retry_forever(
-    fn: Callable[[], Awaitable[T]], *, url: str, what: str, max_delay: float = 30.0
+    fn: Callable[[], Awaitable[T]], *, url: str, what: str, max_delay: float = 30.0,
+    stop: anyio.Event | None = None,
 ) -> T:
     """Run `fn` until it does not raise ConnectError, sleeping with jittered backoff.
 
     Long-running workers wrap their loop in this, so a Redis restart or network
-    blip makes them wait and reconnect instead of dying.
+    blip makes them wait and reconnect instead of dying. Refused credentials
+    (`AuthError`) are not retried. With `stop`, the wait ends as soon as it is
+    set: `Stopped` is raised, so a role stuck connecting still obeys SIGTERM.
     """
     delay = 0.2
     while True:
+        if stop is not None and stop.is_set():
+            raise Stopped(f"{what}: stopped before Redis at {redact(url)} answered")
         try:
             return await fn()
+        except AuthError:
+            raise
         except ConnectError as e:
             log.warning("%s: %s; retrying in %.1fs", what, e, delay)
-            await anyio.sleep(delay * (0.5 + random.random()))
+            with anyio.move_on_after(delay * (0.5 + random.random())):
+                if stop is not None:
+                    await stop.wait()
+                else:
+                    await anyio.sleep(math.inf)
             delay = min(max_delay, delay * 2)

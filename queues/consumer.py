@@ -1,20 +1,27 @@
 """A consumer of one stream for one consumer group: the delivery rules of DESIGN.md.
 
 What it guarantees (each rule has a test in tests/queues/):
-- its own pending entries are re-read (and counted as a delivery) before new ones;
+- its own pending entries are re-read before new ones (counted as a delivery,
+  unless `Settings.count_rereads` is off: the trainer's restarts never count
+  against the trajectories it holds);
 - entries that fail to decode, or are past `max_deliveries`, go to `dead` with a
   reason and are acked: poison never loops;
 - a redelivered message whose idempotency marker exists is acked, not redone;
-- `commit` acks inputs, writes their outputs and sets their markers in ONE Lua
-  call, so a message's effects land exactly once even when it was processed twice;
+- `settle` finishes inputs by their outcome (`Commit`, `Dead`, `Drop`) in ONE
+  Lua call (`scripts.SETTLE`): ack, marker, outputs, dead letters and their
+  counters together, so a message's effects land exactly once even when it was
+  processed twice; an output stream at its maxlen makes the call stop before
+  that input (backpressure, atomically: a stream never overshoots its bound);
 - leases of in-flight entries are renewed; `release` makes them reclaimable at once;
 - reads that block use their own connection, with a socket timeout above BLOCK.
-What it is not: a scheduler. Reclaiming other consumers' idle entries is the
-`Reaper`'s job (jet.queues.reaper), which feeds what it claims into `fetch`.
+What it is not: a loop. `jet.queues.runtime.Runtime` runs the lease keeper, the
+reaper (jet.queues.reaper, which feeds what it claims into `fetch`),
+reconnects and the serving modes around it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import time
@@ -32,6 +39,8 @@ from jet.queues.connect import translated
 log = logging.getLogger(__name__)
 
 RELEASE_IDLE_MS = 1_000_000_000  # "idle for 11 days": any reaper takes it at once
+DEAD_ORIGINAL_MAX = 64 * 1024  # a dead letter keeps its original entry whole up to this size (bytes)
+DEFAULT_DEAD_CAP = 2_000  # dead letters kept per run unless queues.maxlen.dead says otherwise
 
 
 def consumer_name(role: str, slot: int | str = 0, host: str | None = None) -> str:
@@ -50,8 +59,57 @@ class Delivery:
     deliveries: int = 1
     received: float = field(default_factory=time.monotonic)
 
+    @classmethod
+    def known(cls, stream: str, entry_id: str, msg_id: str) -> "Delivery":
+        """An entry known by its ids alone (a checkpoint's ledger): enough to settle it."""
+        return cls(stream, entry_id, {}, codec.Payload("", msg_id, {}))
+
 
 Output = tuple[str, Mapping[bytes, bytes]]  # (stream key, entry fields)
+
+
+# -- outcomes: what a handler decided for one delivery ---------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Ack + idempotency marker + these outputs, atomically (outputs to `dead` count as dead letters)."""
+
+    outputs: Sequence[Output] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Give the entry back now for another delivery; `error` becomes the reason if it dies later."""
+
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    """Dead-letter the entry now with `reason`, atomically with its ack."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """Ack without marker or outputs: the work is moot (its client is gone). Bumps stats `counter`."""
+
+    counter: str = ""
+
+
+Outcome = Commit | Release | Dead | Drop
+
+
+def default_marker_ttl(lease_ms: int, max_deliveries: int) -> int:
+    """Seconds an idempotency marker must live: while a copy of the message can still arrive.
+
+    A copy comes back through reclaims (at most `max_deliveries` leases) or a client's
+    retries under the same id (jet.llm: attempts x timeout, about 3 leases); twice the
+    longer of the two, and at least 5 minutes. Memory: ~90 B per marker, so
+    rate x TTL x 90 B (1,000 msgs/s at the default 30 s lease: 360 s -> ~32 MB)."""
+    return max(300, 2 * (max_deliveries + 1) * lease_ms // 1000)
 
 
 @dataclass(slots=True)
@@ -60,8 +118,28 @@ class Settings:
     max_deliveries: int = 5
     block_ms: int = 2_000
     batch: int = 64
-    marker_ttl_s: int = 21_600
+    marker_ttl_s: int | None = None  # None: `default_marker_ttl`
     max_entry_bytes: int = codec.DEFAULT_MAX_BYTES
+    count_rereads: bool = True  # re-reading our own pending entries after a restart counts a delivery
+    maxlen: dict[str, int] = field(default_factory=dict)  # per stream kind: outputs wait while it is full
+
+    @property
+    def marker_ttl(self) -> int:
+        return self.marker_ttl_s or default_marker_ttl(self.lease_ms, self.max_deliveries)
+
+    @property
+    def dead_cap(self) -> int:
+        return self.maxlen.get("dead", DEFAULT_DEAD_CAP)
+
+    @classmethod
+    def of(cls, queues, *, batch: int | None = None, **changes) -> "Settings":
+        """The settings of a config's `queues` section (anything with its attributes)."""
+        s = cls(lease_ms=queues.lease_ms, max_deliveries=queues.max_deliveries, block_ms=queues.block_ms,
+                batch=batch or queues.batch, marker_ttl_s=getattr(queues, "marker_ttl_s", None),
+                max_entry_bytes=queues.max_entry_bytes, maxlen=dict(queues.maxlen))
+        for k, v in changes.items():
+            setattr(s, k, v)
+        return s
 
 
 def _s(x: bytes | str) -> str:
@@ -86,6 +164,18 @@ def resp(args: Sequence, encode) -> list[bytes]:
     return out
 
 
+def dead_entry(meta: dict, original: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
+    """A dead letter: `meta` (stream, entry_id, reason, ...) and the original entry, kept whole up to
+    DEAD_ORIGINAL_MAX bytes; a larger one keeps only its small fields, with its size and sha256."""
+    size = codec.entry_size(original)
+    raw = {k.decode(errors="replace"): v for k, v in original.items()}
+    if size > DEAD_ORIGINAL_MAX:
+        digest = hashlib.sha256(b"".join(k + b"\0" + v for k, v in sorted(original.items()))).hexdigest()
+        meta = {**meta, "truncated": True, "original_bytes": size, "original_sha256": digest}
+        raw = {k: v[:2048] for k, v in raw.items() if len(v) <= 4096 or k in ("m",)}
+    return codec.encode("dead", meta, raw=raw, max_bytes=1 << 62)
+
+
 class Consumer:
     """Reads `stream` as `name` in `group`. `client` for commands, `blocking` for BLOCK reads."""
 
@@ -98,8 +188,7 @@ class Consumer:
         self.claimed: list[tuple[str, dict, int]] = []  # fed by the Reaper
         self._own_pending = True  # re-read our own PEL first, once per (re)start
         self._own_from = "-"  # where the next page of that re-read starts (exclusive after the first)
-        self._commit = self.r.register_script(scripts.COMMIT)
-        self._dead = self.r.register_script(scripts.DEAD)
+        self._settle = self.r.register_script(scripts.SETTLE)
         self._lease = self.r.register_script(scripts.LEASE)
 
     # -- setup ---------------------------------------------------------------
@@ -130,7 +219,7 @@ class Consumer:
             return await self._accept(raw)
 
     async def _own(self, count: int) -> list[tuple[str, dict, int]]:
-        """Claim our own pending entries to ourselves: counts as a delivery (bumps the count)."""
+        """Claim our own pending entries to ourselves (each a delivery unless count_rereads is off)."""
         queued = {e[0] for e in self.claimed}
         while True:  # page through the whole PEL: entries already in hand are skipped, not the end
             page = await self.r.xpending_range(self.stream, self.group, self._own_from, "+", count,
@@ -143,8 +232,16 @@ class Consumer:
             if pend:
                 break
         ids = [p["message_id"] for p in pend]
-        claimed = await self.r.xclaim(self.stream, self.group, self.name, 0, ids)
-        counts = {_s(p["message_id"]): p["times_delivered"] + 1 for p in pend}
+        bump = 1 if self.cfg.count_rereads else 0
+        counts = {_s(p["message_id"]): p["times_delivered"] + bump for p in pend}
+        if self.cfg.count_rereads:
+            claimed = await self.r.xclaim(self.stream, self.group, self.name, 0, ids)
+        else:  # JUSTID: the idle time resets, the delivery count does not move
+            kept = await self.r.xclaim(self.stream, self.group, self.name, 0, ids, justid=True)
+            async with self.r.pipeline(transaction=False) as p:
+                for i in kept:
+                    p.xrange(self.stream, i, i)
+                claimed = [rows[0] for rows in await p.execute() if rows]
         got = [(_s(i), f or {}, counts.get(_s(i), 1)) for i, f in claimed]
         missing = set(counts) - {g[0] for g in got}
         if missing:  # payload trimmed or deleted: XCLAIM dropped them from the PEL
@@ -161,7 +258,7 @@ class Consumer:
         good: list[Delivery] = []
         for entry_id, fields, n in raw:
             if n > self.cfg.max_deliveries:
-                await self.dead(entry_id, fields, self._why_dead(entry_id, n), n)
+                await self.dead(entry_id, fields, self._why_dead(n), n)
                 continue
             try:
                 payload = codec.decode(fields, max_bytes=self.cfg.max_entry_bytes)
@@ -175,7 +272,7 @@ class Consumer:
             self.inflight[d.entry_id] = d
         return good
 
-    def _why_dead(self, entry_id: str, n: int) -> str:
+    def _why_dead(self, n: int) -> str:
         return f"delivered {n} times, more than max_deliveries={self.cfg.max_deliveries}"
 
     async def _drop_done(self, ds: list[Delivery]) -> list[Delivery]:
@@ -193,47 +290,88 @@ class Consumer:
 
     # -- finishing -----------------------------------------------------------
 
-    async def commit(self, items: Sequence[tuple[Delivery, Sequence[Output]]]) -> list[bool]:
-        """Ack every input, write its outputs and set its marker, in one atomic step.
+    async def settle(self, items: Sequence[tuple[Delivery, Commit | Dead | Drop]]) -> list[int]:
+        """Finish each input by its outcome in one atomic step (`scripts.SETTLE`).
 
-        Returns per input whether its outputs were written (False: a duplicate).
+        Returns per input 1 (done), 0 (a duplicate or no longer ours: nothing written) or -1
+        (not processed: an output stream is full; call again later with those inputs).
         Safe to call again after a dropped reply: nothing is written twice.
         """
         if not items:
             return []
-        markers = [self.keys.done_marker(self.group, d.payload.msg_id) for d, _ in items]
-        out_keys = list(dict.fromkeys(key for _, outputs in items for key, _ in outputs))
-        base = 2 + len(markers)  # KEYS is 1-based: input, markers..., then outputs
-        index = {k: b"%d" % (base + i) for i, k in enumerate(out_keys)}
-        argv: list = [self.group, b"%d" % self.cfg.marker_ttl_s, b"%d" % len(items)]
-        for d, outputs in items:
-            argv += (d.entry_id, b"%d" % len(outputs))
+        markers = [self.keys.done_marker(self.group, d.payload.msg_id if d.payload else d.entry_id)
+                   for d, _ in items]
+        dead_ids = [d.entry_id for d, o in items if isinstance(o, Dead)]
+        last_errors = await self._last_errors(dead_ids) if dead_ids else {}
+        out_keys: dict[str, bytes] = {}
+        argv: list = [self.group, b"%d" % self.cfg.marker_ttl, b"%d" % len(items), b"%d" % self.cfg.dead_cap]
+        base = 4 + len(markers)  # KEYS is 1-based: input, stats, dead, markers..., then outputs
+        for d, outcome in items:
+            if isinstance(outcome, Commit):
+                action, counter, outputs = b"c", b"", outcome.outputs
+            elif isinstance(outcome, Dead):
+                action, counter = b"d", b""
+                outputs = [(self.keys.dead, self._dead_fields(d, outcome.reason, last_errors.get(d.entry_id)))]
+            else:
+                action, counter, outputs = b"x", outcome.counter.encode(), ()
+            argv += (d.entry_id, action, counter, b"%d" % len(outputs))
             for key, fields in outputs:
-                argv += (index[key], b"%d" % len(fields))
+                if key not in out_keys:
+                    out_keys[key] = b"%d" % (base + len(out_keys))
+                maxlen, mode = self._output_mode(key)
+                argv += (out_keys[key], b"%d" % maxlen, mode, b"%d" % len(fields))
                 for kv in fields.items():
                     argv += kv
         with translated(self.url):
-            res = await self._evalsha(self._commit, [self.stream, *markers, *out_keys], argv)
-        for d, _ in items:
-            self.inflight.pop(d.entry_id, None)
-        return [bool(x) for x in res]
+            res = await self._evalsha(self._settle, [self.stream, self.keys.stats, self.keys.dead, *markers,
+                                                      *out_keys], argv)
+        for (d, _), r in zip(items, res):
+            if r != -1:
+                self.inflight.pop(d.entry_id, None)
+        dead = [d.entry_id for (d, o), r in zip(items, res) if r == 1 and isinstance(o, Dead)]
+        if dead:
+            with translated(self.url):
+                await self.r.hdel(self.keys.last_error(), *[f"{self.stream}/{i}" for i in dead])
+        return [int(r) for r in res]
+
+    def _output_mode(self, key: str) -> tuple[int, bytes]:
+        """(maxlen, mode) of an output stream: see `scripts.SETTLE`. Outputs to the input stream
+        itself (a retry copy of the task) never wait: acking the input makes up for them."""
+        kind = self.keys.kind(key)
+        if kind == "dead":
+            return 0, b"d"
+        if kind == "reply":
+            return 0, b"e"
+        if kind == "shadow":
+            return self.cfg.maxlen.get("shadow", self.cfg.maxlen.get("traj", 10_000)), b"c"
+        return (0 if key == self.stream else self.cfg.maxlen.get(kind, 0)), b"b"
+
+    async def commit(self, items: Sequence[tuple[Delivery, Sequence[Output]]]) -> list[bool]:
+        """`settle` with every input committed; True per input whose outputs were written.
+
+        An input whose output stream is full is not committed (False) and stays in flight."""
+        return [r == 1 for r in await self.settle([(d, Commit(outputs)) for d, outputs in items])]
 
     async def dead(self, entry_id: str, fields: Mapping[bytes, bytes], reason: str, deliveries: int = 0) -> bool:
-        """Move an entry to the dead-letter stream with its reason; ack it."""
-        meta = {"stream": self.keys.short(self.stream), "entry_id": entry_id, "group": self.group,
-                "consumer": self.name, "reason": reason, "deliveries": deliveries, "time": time.time()}
-        last = await self.r.hget(self.keys.last_error(), f"{self.stream}/{entry_id}")
-        if last:
-            meta["last_error"] = last.decode(errors="replace")[-4000:]
-        dead = codec.encode("dead", meta, raw={k.decode(errors="replace"): v for k, v in fields.items()},
-                            max_bytes=1 << 62)
-        args = [self.group, entry_id] + [x for kv in dead.items() for x in kv]
-        with translated(self.url):
-            done = await self._dead(keys=[self.stream, self.keys.dead, self.keys.stats], args=args)
-            await self.r.hdel(self.keys.last_error(), f"{self.stream}/{entry_id}")
+        """Move an entry to the dead-letter stream with its reason; ack it. False if someone acked it first."""
+        d = self.inflight.get(entry_id) or Delivery(self.stream, entry_id, dict(fields), None, deliveries)  # type: ignore[arg-type]
+        [done] = await self.settle([(d, Dead(reason))])
         self.inflight.pop(entry_id, None)
         log.warning("%s %s -> dead: %s", self.keys.short(self.stream), entry_id, reason)
-        return bool(done)
+        return done == 1
+
+    def _dead_fields(self, d: Delivery, reason: str, last_error: str | None) -> dict[bytes, bytes]:
+        meta = {"stream": self.keys.short(self.stream), "entry_id": d.entry_id, "group": self.group,
+                "consumer": self.name, "reason": reason, "deliveries": d.deliveries, "time": time.time()}
+        if last_error:
+            meta["last_error"] = last_error[-4000:]
+        return dead_entry(meta, d.fields)
+
+    async def _last_errors(self, ids: Sequence[str]) -> dict[str, str]:
+        """The errors handlers recorded (`fail`) for these entries: the reason behind a dead letter."""
+        with translated(self.url):
+            found = await self.r.hmget(self.keys.last_error(), [f"{self.stream}/{i}" for i in ids])
+        return {i: v.decode(errors="replace") for i, v in zip(ids, found) if v}
 
     async def fail(self, d: Delivery, error: str) -> None:
         """A handler failed on `d`: record why and release it for redelivery (counts a delivery)."""
@@ -242,7 +380,11 @@ class Consumer:
         await self.release([d])
 
     async def renew(self, ds: Sequence[Delivery] | None = None) -> list[str]:
-        """Reset the idle time of in-flight entries; returns ids another consumer took over."""
+        """Reset the idle time of in-flight entries (and of claimed ones not yet handed out);
+        returns ids another consumer took over."""
+        if ds is None and self.claimed:
+            lost = await self._lease_ids([i for i, _, _ in self.claimed], 0)
+            self.claimed = [e for e in self.claimed if e[0] not in set(lost)]
         return await self._lease_op(ds, 0)
 
     async def release(self, ds: Sequence[Delivery] | None = None) -> list[str]:
@@ -252,8 +394,16 @@ class Consumer:
             self.inflight.pop(d.entry_id, None)
         return lost
 
+    async def release_claimed(self) -> None:
+        """Give back entries the reaper claimed for us that were never handed out."""
+        ids, self.claimed = [i for i, _, _ in self.claimed], []
+        await self._lease_ids(ids, RELEASE_IDLE_MS)
+
     async def _lease_op(self, ds, idle_ms: int) -> list[str]:
-        ids = [d.entry_id for d in (ds if ds is not None else list(self.inflight.values()))]
+        return await self._lease_ids([d.entry_id for d in (ds if ds is not None else list(self.inflight.values()))],
+                                     idle_ms)
+
+    async def _lease_ids(self, ids: list[str], idle_ms: int) -> list[str]:
         lost: list[str] = []
         with translated(self.url):
             for i in range(0, len(ids), 256):
@@ -294,9 +444,8 @@ class Consumer:
             await pool.release(conn)
 
     def restarted(self) -> None:
-        """After a reconnect: forget local state; the server's PEL is the truth, and our
-        own pending entries are re-read before new ones."""
-        self.inflight.clear()
+        """After a reconnect: the server's PEL is the truth. Entries still being handled here
+        stay in flight (renewed, never handed out twice); our other pending entries are
+        re-read before new ones; what the reaper had claimed is read again from the PEL."""
         self.claimed.clear()
         self._own_pending, self._own_from = True, "-"
-

@@ -1,12 +1,15 @@
 """The reaper: reclaims entries other consumers left idle past the lease.
 
-It runs inside every consumer process (so reclaiming scales with consumers and
-needs no extra role). Each pass follows XAUTOCLAIM's cursor until 0-0 (or until
-the consumer has a batch's worth queued, resuming from the cursor next pass),
-counts the deleted ids XAUTOCLAIM reports as lost work, and hands claimed
-entries to its Consumer's `fetch`, which dead-letters those past
-`max_deliveries`. It also trims the stream safely (jet.queues.producer.safe_trim),
-so consumed entries do not pile up.
+It runs inside every consumer process (the consumer runtime,
+jet.queues.runtime, runs a pass every lease/2, at most every 5 s, and trims the
+stream after it), so reclaiming scales with consumers and needs no extra role.
+Each pass follows XAUTOCLAIM's cursor until 0-0 (or until the consumer has a
+batch's worth queued, resuming from the cursor next pass), counts the deleted
+ids XAUTOCLAIM reports as lost work, and queues claimed entries for its
+Consumer's `fetch`, which dead-letters those past `max_deliveries`. An entry
+already queued or in flight here is never queued twice (its delivery count is
+updated instead); the runtime's lease keeper renews queued entries like
+in-flight ones until `fetch` hands them out.
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ class Reaper:
                     await c.count_lost(len(deleted), "idle entries whose payload was deleted (XAUTOCLAIM)")
                 if claimed:
                     counts = await self._counts([_s(i) for i, _ in claimed])
+                    queued = {e[0]: k for k, e in enumerate(c.claimed)}
                     for entry_id, fields in claimed:
                         entry_id = _s(entry_id)
                         fields = dict(zip(fields[::2], fields[1::2])) if isinstance(fields, list) else fields
-                        c.claimed.append((entry_id, fields or {}, counts.get(entry_id, 1)))
+                        item = (entry_id, fields or {}, counts.get(entry_id, 1))
+                        if entry_id in queued:
+                            c.claimed[queued[entry_id]] = item
+                        elif entry_id not in c.inflight:
+                            c.claimed.append(item)
                     got += len(claimed)
                 if self.cursor == "0-0":
                     break

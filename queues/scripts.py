@@ -4,47 +4,83 @@ Each script touches only keys passed in KEYS (all under one run's hash tag, so
 they run on Redis Cluster too) and is safe to re-run after a dropped reply:
 re-running a commit finds the input already acked and writes nothing twice.
 
-Argument layout is documented per script; `jet.queues.stream` builds it.
+Argument layout is documented per script; `jet.queues.consumer` builds it.
 """
 
 from __future__ import annotations
 
-# COMMIT: ack a batch of inputs and write their outputs, effectively once.
-# KEYS[1] input stream, KEYS[2..] markers (one per input) then output streams.
-# ARGV: group, marker_ttl_s, n_inputs, then per input:
-#   entry_id, n_outputs, then per output: key_index, n_fields, field, value, ...
-# Per input: XACK; only if it was still pending AND its marker was absent are
-# its outputs written. Returns per input 1 (committed) or 0 (duplicate, skipped).
-COMMIT = """
-local group, ttl, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local a, out = 4, {}
+# SETTLE: finish a batch of inputs, each by its outcome (commit, dead letter or drop), effectively once.
+# KEYS[1] input stream, KEYS[2] stats hash, KEYS[3] dead stream, KEYS[4..3+n] markers (one per input),
+# then the output streams.
+# ARGV: group, marker_ttl_s, n_inputs, dead_cap (0 = uncapped), then per input:
+#   entry_id, action, counter, n_outputs, then per output:
+#     key_index, maxlen, mode, n_fields, field, value, ...
+#   action: 'c' commit (marker + outputs), 'd' dead-lettered (its one output is the dead letter),
+#           'x' dropped (acked without marker or outputs; `counter`, when not '', is bumped in stats)
+#   mode:   'b' bounded: written only while the stream is below maxlen (else the call stops: backpressure)
+#           'c' capped: XADD MAXLEN ~ maxlen (streams no group reads: older entries give way)
+#           'e' must exist: XADD NOMKSTREAM (a reply to a client that is gone is dropped and counted)
+#           'd' dead letter: counted in stats 'dead', the dead stream capped at dead_cap (exact; the
+#               entries it drops are counted in 'dead_dropped')
+# Per input, in order: if a bounded output has no room, the call stops there and returns -1 for that
+# input and every later one (the caller trims, waits and sends them again: nothing was done for them).
+# Else XACK; only if the entry was still pending do its effects happen, and for 'c' only if its marker
+# was absent too. Returns per input 1 (done), 0 (a duplicate: nothing written) or -1 (not processed).
+SETTLE = """
+local group, ttl, n, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local a, out, added = 5, {}, {}
+local function dead_letter(fields_from, fields_to)
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, fields_from, fields_to))
+  redis.call('HINCRBY', KEYS[2], 'dead', 1)
+  if cap > 0 then
+    local removed = redis.call('XTRIM', KEYS[3], 'MAXLEN', '=', cap)
+    if removed > 0 then redis.call('HINCRBY', KEYS[2], 'dead_dropped', removed) end
+  end
+end
 for i = 1, n do
-  local id, nout = ARGV[a], tonumber(ARGV[a + 1])
-  a = a + 2
-  local fresh = redis.call('XACK', KEYS[1], group, id) == 1
-  if fresh then
-    fresh = redis.call('SET', KEYS[1 + i], '1', 'NX', 'EX', ttl) ~= false
-  end
-  for o = 1, nout do
-    local key, nf = KEYS[tonumber(ARGV[a])], tonumber(ARGV[a + 1])
-    if fresh then
-      redis.call('XADD', key, '*', unpack(ARGV, a + 2, a + 1 + 2 * nf))
+  local id, action, counter, nout = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+  local first = a + 4
+  -- room check first: a full bounded stream leaves this input (and the rest) untouched
+  local o = first
+  for _ = 1, nout do
+    local key, maxlen, mode, nf = KEYS[tonumber(ARGV[o])], tonumber(ARGV[o + 1]), ARGV[o + 2], tonumber(ARGV[o + 3])
+    if mode == 'b' and maxlen > 0 and redis.call('XLEN', key) + (added[key] or 0) >= maxlen then
+      for j = i, n do out[j] = -1 end
+      return out
     end
-    a = a + 2 + 2 * nf
+    o = o + 4 + 2 * nf
   end
+  local fresh = redis.call('XACK', KEYS[1], group, id) == 1
+  if fresh and action == 'c' then
+    fresh = redis.call('SET', KEYS[3 + i], '1', 'NX', 'EX', ttl) ~= false
+  end
+  if fresh and action == 'x' and counter ~= '' then
+    redis.call('HINCRBY', KEYS[2], counter, 1)
+  end
+  o = first
+  for _ = 1, nout do
+    local key, maxlen, mode, nf = KEYS[tonumber(ARGV[o])], tonumber(ARGV[o + 1]), ARGV[o + 2], tonumber(ARGV[o + 3])
+    local f0, f1 = o + 4, o + 3 + 2 * nf
+    if fresh and action ~= 'x' then
+      if mode == 'd' then
+        dead_letter(f0, f1)
+      elseif mode == 'e' then
+        if not redis.call('XADD', key, 'NOMKSTREAM', '*', unpack(ARGV, f0, f1)) then
+          redis.call('HINCRBY', KEYS[2], 'outputs_dropped', 1)
+        end
+      elseif mode == 'c' then
+        redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, f0, f1))
+      else
+        redis.call('XADD', key, '*', unpack(ARGV, f0, f1))
+        added[key] = (added[key] or 0) + 1
+      end
+    end
+    o = f1 + 1
+  end
+  a = o
   out[i] = fresh and 1 or 0
 end
 return out
-"""
-
-# DEAD: move one pending entry to the dead-letter stream, atomically with its ack.
-# KEYS: input stream, dead stream, stats hash. ARGV: group, entry_id, field, value, ...
-# Returns 1 when dead-lettered, 0 when someone else acked it first.
-DEAD = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-redis.call('HINCRBY', KEYS[3], 'dead', 1)
-return 1
 """
 
 # RENEW / RELEASE: for each id still owned by this consumer, reset its idle time

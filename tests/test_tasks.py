@@ -12,7 +12,7 @@ from jet.wire import Task
 
 
 def test_datasets_are_deterministic_and_well_formed():
-    assert names() == ["arith", "guess", "propose"]
+    assert names() == ["arith", "guess", "lookup", "propose", "spell", "units"]
     assert dataset("guess", 20, seed=3) == dataset("guess", 20, seed=3) != dataset("guess", 20, seed=4)
     assert all(r["low"] <= r["secret"] <= r["high"] for r in dataset("guess", 50))
     rows = dataset("arith", 50, seed=1)
@@ -62,3 +62,25 @@ def test_propose_has_each_agent_on_its_own_model_with_its_own_reward():
     assert anyio.run(propose, task, llm) == {"proposer": 0.0, "solver": 1.0}
     assert llm.info["valid"] is False and llm.info["secret"] == 4
     assert all(1 <= r["low"] <= r["secret"] <= r["high"] <= 10 for r in dataset("propose", 50))
+
+
+def test_framework_tasks_rules_and_rewards():
+    import json
+
+    from jet.tasks import lookup, spell, units
+
+    assert units.convert_value(3, "km", "m") == 3000 and units.convert_value(2, "h", "min") == 120
+    for bad in (("m", "kg"), ("m", "parsec")):
+        with pytest.raises(ValueError):
+            units.convert_value(1, *bad)
+    assert units.convert_json({"value": 7, "unit_from": "t", "unit_to": "kg"}) == ('{"result": 7000}', True)
+    assert not units.convert_json({"value": "x", "unit_from": "t"})[1]
+    assert all(r["answer"] == units.convert_value(r["value"], r["unit_from"], r["unit_to"]) and
+               isinstance(r["answer"], int) for r in dataset("units", 30))
+    assert lookup.code("otter") == lookup.code("otter") != lookup.code("heron") and 100 <= lookup.code("lynx") <= 999
+    assert json.loads(lookup.lookup_json(" Otter ")[0]) == {"result": lookup.code("otter")}
+    assert not lookup.lookup_json("dragon")[1] and not lookup.lookup_json(3)[1]
+    assert all(r["answer"] == lookup.code(r["name"]) for r in dataset("lookup", 20))
+    assert spell.score(["Retto!"], "retto") == 1.0 and spell.score(["no", "retto"], "retto") == 0.5
+    assert spell.score(["rexxx"], "retto") == pytest.approx(0.3 * 0.4) and spell.score([], "retto") == 0.0
+    assert all(r["answer"] == r["word"][::-1] for r in dataset("spell", 20))

@@ -5,21 +5,25 @@ consumes `traj:<model>` and trains until `trainer.steps` (see
 `jet.trainer.loop`). SIGTERM/SIGINT drain: the step in hand finishes, a
 checkpoint is written, the entries it covers are acked, held ones released,
 exit 0; a second signal exits at once. With `--backend deepspeed` and no
-RANK in the environment it starts `--nproc` ranks of itself
-(`jet.trainer.launch`); under torchrun or the deepspeed launcher it is one rank.
+RANK in the environment it starts `--nproc` ranks of itself with torchrun's own
+launcher (`torch.distributed.run`, as a library call: it sets RANK, WORLD_SIZE,
+MASTER_ADDR/PORT, forwards signals and stops every rank when one dies); under
+torchrun or the deepspeed launcher on several nodes it is one rank. Errors end
+it with one line: exit code EXIT_FATAL (`jet.supervisor`) for a fatal one, so
+`jet up` stops instead of restarting it; a SIGTERM while still connecting exits 0.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 import click
 
 from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
-from jet.errors import JetError
+from jet.errors import JetError, Stopped, is_fatal
+from jet.supervisor import EXIT_FATAL
 
 
 def _stop_on_signals() -> threading.Event:
@@ -67,20 +71,41 @@ def train(config_path, overrides, model, backend, nproc, device, redis_url) -> N
     rank = os.environ.get("RANK")
     url = resolve_url(redis_url) if rank in (None, "0") else None
     if backend == "deepspeed" and rank is None:
-        from jet.trainer.launch import spawn
-
-        argv = [sys.executable, "-m", "jet.trainer.cli", "--config", config_path, "--model", model,
-                "--backend", backend, "--nproc", str(nproc)]
-        argv += [x for o in overrides for x in ("--set", o)] + (["--device", device] if device else [])
-        os.environ[REDIS_URL_ENV] = url  # children inherit it; a password never shows in `ps`
-        raise SystemExit(spawn(argv, nproc))
+        args = ["--config", config_path, "--model", model, "--backend", backend]  # ranks read WORLD_SIZE
+        args += [x for o in overrides for x in ("--set", o)] + (["--device", device] if device else [])
+        os.environ[REDIS_URL_ENV] = url  # the ranks inherit it; a password never shows in `ps`
+        raise SystemExit(_torchrun(nproc, args))
     stop = _stop_on_signals()
     from jet.trainer.loop import run
 
     try:
         run(cfg, model, url, stop.is_set, backend=backend, device=device)
+    except Stopped as e:
+        click.echo(f"jet train: {e}", err=True)
     except JetError as e:
-        raise click.ClickException(str(e)) from None
+        click.echo(f"jet train: error: {e}", err=True)
+        raise SystemExit(EXIT_FATAL if is_fatal(e) else 1) from None
+
+
+def _torchrun(nproc: int, args: list[str]) -> int:
+    """Run `nproc` ranks of this command on this machine with torchrun's launcher; 0 if all exited 0.
+
+    A SIGTERM/SIGINT reaches every rank (they drain: rank 0 decides, the others follow its plan)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    parsed = get_args_parser().parse_args(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                                           "--max-restarts", "0", "--shutdown-timeout", "120", "--module", "jet.trainer.cli", *args])
+    try:
+        run(parsed)
+    except SignalException as e:  # told to stop: the ranks were signalled and have drained
+        click.echo(f"jet train: stopped ranks after {e.sigval.name}", err=True)
+    except ChildFailedError as e:
+        failures = {r: f.exitcode for r, f in e.failures.items()}
+        click.echo(f"jet train: trainer rank(s) failed (rank: exit code) {failures}", err=True)
+        return EXIT_FATAL if EXIT_FATAL in failures.values() else 1
+    return 0
 
 
 @click.command("plot")
@@ -104,7 +129,7 @@ def plot(run, out_dir) -> None:
 
 
 if __name__ == "__main__":
-    from jet.cli import setup_logging
+    from jet.cliopts import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     train()

@@ -108,7 +108,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
         intake = metrics = None
         if comm.leader:
             write_resolved(cfg, cfg.run_dir)
-            feed = stack.enter_context(Feed.for_trainer(cfg, model, url))
+            feed = stack.enter_context(Feed.for_trainer(cfg, model, url, stop))
             asm = Assembler(min_size=tc.min_group_size, timeout_s=tc.group_timeout_s, max_staleness=tc.max_staleness)
             asm.counts.update(state.counts)
             intake = Intake(feed, asm, weights={t.name: t.weight for t in cfg.tasks}, mix_wait_s=tc.mix_wait_s,

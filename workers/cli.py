@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from jet.cli import LazyGroup
+from jet.cliopts import LazyGroup
 
 
 @click.group(

@@ -16,12 +16,13 @@ episode is still published (failed=True, with its traceback) so the trainer
 can count the group member. A redelivered task whose commit already happened
 is acked, not re-run (the Consumer's marker check).
 
-Around it: the lease keeper renews leases of running episodes, the reaper
-reclaims tasks of crashed workers, Redis trouble inside an episode gives the
-task back for another delivery (never counted as the episode's failure), and a
-full trajectory stream makes the commit wait (backpressure). SIGTERM drains:
-no new tasks, running episodes get `drain_timeout_s` to finish, the rest are
-released for other workers at once.
+Around it, the consumer runtime (`jet.queues.runtime.Runtime.serve_each`, one
+handler call per task, each committed as it finishes): the lease keeper renews
+leases of running episodes, the reaper reclaims tasks of crashed workers, Redis
+trouble inside an episode gives the task back for another delivery, and a full
+trajectory stream makes the commit wait, atomically (backpressure). SIGTERM
+drains: no new tasks, running episodes get `drain_timeout_s` to finish, the
+rest are released for other workers at once.
 
 OpenAI-SDK agents: each episode's session gets the base URL and API key of
 an OpenAI-compatible gateway (`jet.workers.gateway`): by default one embedded
@@ -34,7 +35,7 @@ files and of the .py files under `runtime.cwd` (`episode.code_version`),
 computed once when this process loads them. New code needs new processes:
 under the supervisor (`-n N`, or `--reload` with one process), SIGHUP starts a
 new generation of children and, once each has loaded its workflows, SIGTERMs
-the old one, which drains as above (`jet.workers.processes.supervise_children`). The two generations overlap, so
+the old one, which drains as above (`jet.supervisor.Supervisor`). The two generations overlap, so
 their consumer names differ: generation bank 1 appends `.1` to the slot
 (`host-env-<task>-0.1`); banks alternate, and a second SIGHUP waits until the
 previous old generation has exited, so never two processes share a name.
@@ -48,9 +49,10 @@ PYTHONPATH, so the conflicting dependencies of the two stay apart. The
 supervisor checks `import jet.workers.env` under it before starting. A task
 with only `runtime.cwd` runs here with the directory put on sys.path.
 
-Shadow mode (`--shadow`, `jet.workers.shadow`): the worker plays every new
-task in its own group `env-shadow`, publishes to `shadow:<model>` (no trainer
-reads it) and only records failures: no retry, dead letter or re-enqueue.
+Shadow mode (`--shadow`) is the same worker on another lane (`jet.workers.lanes`):
+it plays every new task in its own group `env-shadow`, publishes to
+`shadow:<model>` (no trainer reads it) and only records failures: no retry,
+dead letter or re-enqueue.
 
 What it is not: a sandbox. Workflows run in the worker's process.
 """
@@ -63,7 +65,6 @@ import os
 import socket
 import sys
 import time
-import traceback
 
 import anyio
 import click
@@ -71,20 +72,17 @@ import click
 import jet
 from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig, TaskConfig
-from jet.errors import CodecError, ConfigError, ConnectError, QueueError
-from jet.keys import GROUP_ENV, GROUP_ENV_SHADOW, Keys
+from jet.errors import CodecError, ConfigError
+from jet.keys import Keys
 from jet.llm import LLMClient, Tokenizers, open_client
-from jet.queues import codec
-from jet.queues.connect import connect, retry_forever, translated
-from jet.queues.consumer import Consumer, Delivery, consumer_name
-from jet.queues.producer import safe_trim
-from jet.queues.reaper import Reaper
-from jet.queues.serve import lease_keeper, reaper_loop
+from jet.queues.consumer import Delivery, Settings, consumer_name, dead_entry
+from jet.queues.runtime import Commit, Dead, Drop, Outcome, Runtime
+from jet.supervisor import mark_ready
 from jet.wire import Task
-from jet.workers.episode import Outcome, code_version, load_function, play, trajectories
-from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway
-from jet.workers.processes import mark_ready, queue_settings
-from jet.workers import shadow as shadow_mode
+from jet.workers.episode import Outcome as Episode
+from jet.workers.episode import code_version, load_function, play, trajectories
+from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway, pool_size
+from jet.workers.lanes import LIVE, SHADOW, Lane, leave_group
 from jet.workers.runtimes import check_runtime, env_children, same_python
 
 log = logging.getLogger(__name__)
@@ -93,198 +91,94 @@ GATEWAY_URL_ENV = "JET_GATEWAY_URL"
 
 
 class TaskRunner:
-    """Runs episodes of one task in this process."""
+    """Runs episodes of one task in this process, on one lane (live or shadow)."""
 
     def __init__(self, cfg: JetConfig, task: TaskConfig, url: str, llm: LLMClient, slot: int | str,
-                 drain_timeout_s: float, gateway: Episodes, shadow: bool = False, ready=None):
-        self.cfg, self.t, self.url, self.llm, self.gateway = cfg, task, url, llm, gateway
+                 drain_timeout_s: float, gateway: Episodes, lane: Lane = LIVE, ready=None):
+        self.cfg, self.t, self.url, self.llm, self.gateway, self.lane = cfg, task, url, llm, gateway, lane
         self.keys = Keys(cfg.run)
-        self.shadow = shadow
-        self.group = GROUP_ENV_SHADOW if shadow else GROUP_ENV
-        self.name = consumer_name(f"env-shadow-{task.name}" if shadow else f"env-{task.name}", slot)
+        self.name = consumer_name(f"{lane.role}-{task.name}", slot)
         self.code = ""  # code_version of the loaded workflow and reward
         self.ready = ready  # called once the workflow is loaded and the group exists
         self.trained = {m.name for m in cfg.models if m.trainable}
         self.drain_timeout_s = drain_timeout_s
-        self.running: set[str] = set()
-        self._freed = anyio.Event()
 
     async def run(self, stop: anyio.Event) -> None:
-        settings = queue_settings(self.cfg, self.t.concurrency)
-        r = await retry_forever(lambda: connect(self.url, name=self.name), url=self.url, what="connect")
-        rb = await connect(self.url, block_ms=settings.block_ms, name=self.name)
-        c = Consumer(r, rb, self.url, self.keys, self.keys.tasks(self.t.name), self.group, self.name, settings)
-        workflow = _load(self.t.workflow, f"tasks.{self.t.name}.workflow")
-        reward = _load(self.t.reward, f"tasks.{self.t.name}.reward") if self.t.reward else None
-        self.code = code_version([workflow, reward], self.t.runtime.cwd)
-        log.info("task %s: code version %s%s", self.t.name, self.code, " (shadow)" if self.shadow else "")
-        inner = anyio.Event()
-        clean = False
-        try:
-            await retry_forever(lambda: self._ensure_group(c), url=self.url, what=f"create group {self.group}")
+        self.workflow = _load(self.t.workflow, f"tasks.{self.t.name}.workflow")
+        self.reward = _load(self.t.reward, f"tasks.{self.t.name}.reward") if self.t.reward else None
+        self.code = code_version([self.workflow, self.reward], self.t.runtime.cwd)
+        log.info("task %s: code version %s (%s lane)", self.t.name, self.code, self.lane.role)
+        settings = Settings.of(self.cfg.queues, batch=self.t.concurrency)
+        stream = self.keys.tasks(self.t.name)
+        async with Runtime(self.url, self.keys, stream, self.lane.group, self.name, settings,
+                           start=self.lane.start, stop=stop) as rt:
             if self.ready:
                 self.ready()
-            every = min(5.0, max(0.1, settings.lease_ms / 2000))
-            async with anyio.create_task_group() as helpers:
-                helpers.start_soon(lease_keeper, c, inner)
-                helpers.start_soon(reaper_loop, Reaper(c), inner, every)
-                async with anyio.create_task_group() as episodes:
-                    await self._feed(c, episodes, stop, workflow, reward)
-                    with anyio.move_on_after(self.drain_timeout_s):
-                        while self.running:
-                            await self._wait_freed(1.0)
-                    episodes.cancel_scope.cancel()
-                inner.set()
-            clean = True
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                if c.inflight:  # drained or cancelled: give unfinished tasks back at once
-                    await c.release()
-                if self.shadow and clean:
-                    await shadow_mode.leave_group(c, self.url)
-                await r.aclose()
-                await rb.aclose()
+            await rt.serve_each(self._episode, stop, concurrency=self.t.concurrency,
+                                drain_timeout_s=self.drain_timeout_s)
+            if self.lane.leave_on_exit:
+                await leave_group(rt.client, self.url, stream, self.lane.group, self.name)
 
-    async def _feed(self, c: Consumer, episodes, stop: anyio.Event, workflow, reward) -> None:
-        """Fetch tasks while there is room, until `stop`."""
-        while not stop.is_set():
-            free = self.t.concurrency - len(self.running)
-            if free <= 0:
-                await self._wait_freed(0.5)
-                continue
-            try:
-                batch = await c.fetch(count=free)
-            except ConnectError as e:
-                log.warning("%s; reconnecting", e)
-                await anyio.sleep(0.5)
-                c.restarted()
-                continue
-            except QueueError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                await self._ensure_group(c)  # the server lost its data (or the shadow group went): start it again
-                continue
-            for d in batch:
-                if d.entry_id in self.running:  # re-read after a reconnect while still running here
-                    continue
-                self.running.add(d.entry_id)
-                episodes.start_soon(self._episode, c, d, workflow, reward)
-
-    async def _ensure_group(self, c: Consumer) -> None:
-        """The live group starts at the stream's beginning; a shadow group at its end (new tasks only)."""
-        await c.ensure_group(shadow_mode.GROUP_START if self.shadow else "0")
-
-    async def _wait_freed(self, timeout: float) -> None:
-        with anyio.move_on_after(timeout):
-            await self._freed.wait()
-        self._freed = anyio.Event()
-
-    async def _episode(self, c: Consumer, d: Delivery, workflow, reward) -> None:
-        try:
-            task, bad = self._task(d)
-            if task is None:
-                if self.shadow:  # the live group dead-letters it; the shadow only drops its copy
-                    await c.commit([(d, [])])
-                else:
-                    await c.dead(d.entry_id, d.fields, bad, d.deliveries)
-                return
-            session = self.llm.session(task.msg_id, self.t.model)
-            try:
-                await self.gateway.open(session, ttl_s=self.t.episode_timeout_s + KEY_GRACE_S)
-                out = await play(task, session, workflow, reward, timeout_s=self.t.episode_timeout_s,
-                                 merge_mode=self.t.merge, trained=self.trained,
-                                 collect=functools.partial(self.gateway.collect, session))
-            finally:
-                self.llm.close_session(task.msg_id)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await self.gateway.close(session)
-            await self._publish(c, d, task, out)
-        except QueueError as e:  # Redis trouble is not the episode's fault: deliver the task again
-            log.warning("task %s: %s; giving it back", d.entry_id, e)
-            with anyio.move_on_after(5):
-                try:
-                    await c.fail(d, "".join(traceback.format_exception(e)))
-                except QueueError:
-                    pass  # unreachable: the lease expires and the reaper hands it out again
-        finally:
-            self.running.discard(d.entry_id)
-            self._freed.set()
-
-    def _task(self, d: Delivery) -> tuple[Task | None, str]:
-        """The task, or None and why it is dead on arrival."""
+    async def _episode(self, d: Delivery) -> Outcome:
+        """One task: play it, then its trajectories (+ retry copy or dead letter) as one commit."""
         try:
             task = Task.from_payload(d.payload)
-        except CodecError as e:
-            return None, str(e)
-        if task.task != self.t.name:
-            return None, f"task {task.task!r} on the stream of task {self.t.name!r}"
-        return task, ""
+            if task.task != self.t.name:
+                raise CodecError(f"task {task.task!r} on the stream of task {self.t.name!r}")
+        except CodecError as e:  # the live lane dead-letters it; the shadow only drops its copy
+            return Dead(str(e)) if self.lane.owns_fate else Drop()
+        session = self.llm.session(task.msg_id, self.t.model)
+        try:
+            await self.gateway.open(session, ttl_s=self.t.episode_timeout_s + KEY_GRACE_S, task=self.t.name)
+            out = await play(task, session, self.workflow, self.reward, timeout_s=self.t.episode_timeout_s,
+                             merge_mode=self.t.merge, trained=self.trained,
+                             collect=functools.partial(self.gateway.collect, session))
+        finally:
+            self.llm.close_session(task.msg_id)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await self.gateway.close(session)
+        return Commit(self._outputs(d, task, out))
 
-    async def _publish(self, c: Consumer, d: Delivery, task: Task, out: Outcome) -> None:
-        """Trajectories + ack (+ retry copy or dead letter), in one atomic commit."""
-        retry = out.failed and task.attempt < self.t.max_retries and not self.shadow
+    def _outputs(self, d: Delivery, task: Task, out: Episode) -> list[tuple[str, dict]]:
+        """The trajectories, and for a failed episode the retry copy or the dead letter."""
+        retry = out.failed and task.attempt < self.t.max_retries and self.lane.owns_fate
         meta = {"worker": self.name, "workflow": self.t.workflow, "reward_fn": self.t.reward,
                 "deliveries": d.deliveries, "pid": os.getpid(), "jet": jet.__version__,
-                "code_version": self.code, "host": socket.gethostname()}
-        if self.shadow:
-            meta["shadow"] = True
+                "code_version": self.code, "host": socket.gethostname(), **self.lane.meta}
         try:
             outputs = self._trajectories(task, out, retry, meta)
         except CodecError as e:  # e.g. the samples exceed queues.max_entry_bytes: publish the failure
             out.fail(f"cannot publish the trajectory: {e}")
             out.info = {}
-            retry = task.attempt < self.t.max_retries and not self.shadow
+            retry = task.attempt < self.t.max_retries and self.lane.owns_fate
             outputs = self._trajectories(task, out, retry, meta)
         if out.failed:
             log.warning("episode %s of %s (attempt %d) failed: %s", task.msg_id, task.task, task.attempt, out.error)
-            if not self.shadow:  # a shadow failure is recorded only: the live workers own retries
-                outputs.append(self._retry(task) if retry else self._dead_letter(c, d, task, out))
-        await self._wait_for_room(c, [key for key, _ in outputs if key != c.stream])
-        done = await c.commit([(d, outputs)])
-        if self.shadow:
-            await shadow_mode.trim_outputs(c, self.url, {key for key, _ in outputs},
-                                           self.cfg.queues.maxlen.get("traj", 10_000))
-            return
-        if out.failed and not retry and done[0]:
-            with translated(self.url):
-                await c.r.hincrby(self.keys.stats, "dead", 1)
+            if self.lane.owns_fate:
+                outputs.append(self._retry(task) if retry else self._dead_letter(d, task, out))
+        return outputs
 
-    def _trajectories(self, task: Task, out: Outcome, retry: bool, meta: dict) -> list[tuple[str, dict]]:
+    def _trajectories(self, task: Task, out: Episode, retry: bool, meta: dict) -> list[tuple[str, dict]]:
         trajs = trajectories(task, out, episode_id=task.msg_id, task_model=self.t.model,
                              trained=self.trained, retry=retry, meta=meta)
-        stream = self.keys.shadow if self.shadow else self.keys.traj
-        return [(stream(t.model), t.to_fields(self.cfg.queues.max_entry_bytes)) for t in trajs]
+        return [(self.lane.traj(self.keys, t.model), t.to_fields(self.cfg.queues.max_entry_bytes)) for t in trajs]
 
     def _retry(self, task: Task) -> tuple[str, dict]:
         again = Task(task=task.task, row=task.row, group_id=task.group_id, index=task.index,
                      group_size=task.group_size, attempt=task.attempt + 1)
         return self.keys.tasks(task.task), again.to_fields()
 
-    def _dead_letter(self, c: Consumer, d: Delivery, task: Task, out: Outcome) -> tuple[str, dict]:
-        """A dead letter in `Consumer.dead`'s layout, written by the commit. Its original entry is a
-        fresh copy of the task (new id, attempt 0): the commit marks the old id done, so `jet dlq
-        requeue` of the old entry would be skipped as a duplicate; the copy runs again, with retries."""
-        meta = {"stream": self.keys.short(c.stream), "entry_id": d.entry_id, "group": c.group,
-                "consumer": c.name, "reason": f"episode failed {task.attempt + 1} times: {out.error}",
+    def _dead_letter(self, d: Delivery, task: Task, out: Episode) -> tuple[str, dict]:
+        """The task's dead letter, written (and counted) by the commit. Its original entry is a fresh
+        copy of the task (new id, attempt 0): the commit marks the old id done, so `jet dlq requeue`
+        of the old entry would be skipped as a duplicate; the copy runs again, with retries."""
+        meta = {"stream": self.keys.short(d.stream), "entry_id": d.entry_id, "group": self.lane.group,
+                "consumer": self.name, "reason": f"episode failed {task.attempt + 1} times: {out.error}",
                 "deliveries": d.deliveries, "time": time.time(), "last_error": (out.traceback or "")[-4000:],
                 "task_id": task.msg_id}
         fresh = Task(task=task.task, row=task.row, group_id=task.group_id, index=task.index,
                      group_size=task.group_size).to_fields()
-        raw = {k.decode(): v for k, v in fresh.items()}
-        return self.keys.dead, codec.encode("dead", meta, raw=raw, max_bytes=1 << 62)
-
-    async def _wait_for_room(self, c: Consumer, streams: list[str]) -> None:
-        """Backpressure: wait while an output stream is at its maxlen (trimming consumed entries first)."""
-        maxlen = self.cfg.queues.maxlen
-        for key in set(streams):
-            kind = self.keys.short(key).split(":", 1)[0]
-            delay = 0.05
-            while kind in maxlen:
-                with translated(self.url):
-                    if await c.r.xlen(key) < maxlen[kind] or await safe_trim(c.r, key, self.url):
-                        break
-                await anyio.sleep(delay)
-                delay = min(2.0, delay * 2)
+        return self.keys.dead, dead_entry(meta, fresh)
 
 
 def _load(spec: str, key: str):
@@ -315,8 +209,8 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
     for model in {t.model for t in chosen}:  # load before the first episodes, not under their timeout
         await anyio.to_thread.run_sync(tokenizers.get, model)
     timeout = request_timeout_s or max(30.0, 3 * cfg.queues.lease_ms / 1000)
-    async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout,
-                           gen_maxlen=cfg.queues.maxlen.get("gen", 10_000)) as llm:
+    async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout, max_connections=pool_size(cfg),
+                           gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
         log.info("env worker slot %d: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
         loaded: set[str] = set()
 
@@ -327,8 +221,8 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
 
         async with episode_gateway(cfg, url, llm, gateway_url) as gateway, anyio.create_task_group() as tg:
             for t in chosen:
-                tg.start_soon(TaskRunner(cfg, t, url, llm, slot, drain_timeout_s, gateway, shadow,
-                                         functools.partial(ready, t.name)).run, stop)
+                tg.start_soon(TaskRunner(cfg, t, url, llm, slot, drain_timeout_s, gateway,
+                                         SHADOW if shadow else LIVE, functools.partial(ready, t.name)).run, stop)
 
 
 @click.command("env")
@@ -355,7 +249,7 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
         redis_url) -> None:
     """Run agent episodes of the configured tasks (tasks:<task> -> traj:<model>)."""
     from jet.config import REDIS_URL_ENV
-    from jet.workers.processes import run_until_signal, supervise_children
+    from jet.supervisor import Supervisor, run_role
 
     cfg = load_config(config_path, overrides)
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
@@ -373,13 +267,13 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
             os.environ[GATEWAY_URL_ENV] = gateway_url
         children = functools.partial(env_children, os.path.abspath(config_path), overrides, chosen, apart, processes,
                                      slot, drain_timeout, shadow)
-        raise SystemExit(supervise_children(children, reload=True))
-    run_until_signal(lambda stop: run(cfg, url, stop, slot=slot if bank == 0 else f"{slot}.{bank}", tasks=tasks,
-                                      drain_timeout_s=drain_timeout, gateway_url=gateway_url, shadow=shadow))
+        raise SystemExit(Supervisor(children, reload=True).run())
+    run_role(lambda stop: run(cfg, url, stop, slot=slot if bank == 0 else f"{slot}.{bank}", tasks=tasks,
+                              drain_timeout_s=drain_timeout, gateway_url=gateway_url, shadow=shadow), "jet worker env")
 
 
 if __name__ == "__main__":
-    from jet.cli import setup_logging
+    from jet.cliopts import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

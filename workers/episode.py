@@ -68,6 +68,7 @@ class Outcome:
     reward: Reward | None = None
     samples: dict[str, list[Sample]] = field(default_factory=dict)  # model -> merged samples
     calls: int = 0
+    undelivered: int = 0  # calls whose client disconnected before receiving them (not in samples)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # one line; set when the episode failed
     traceback: str | None = None
@@ -172,6 +173,7 @@ async def play(task: Task, llm: Session, workflow: Callable, reward_fn: Callable
     except Exception as e:  # noqa: BLE001 - agent and reward code may raise anything: it fails the episode
         out.fail(f"{type(e).__name__}: {e}"[:500], traceback.format_exc()[-8000:])
     out.calls, out.info, out.duration_s = len(llm.calls), _jsonable(llm.info), time.monotonic() - start
+    out.undelivered = len(getattr(llm, "undelivered", ()))  # answered, never received by the client: not trained
     for c in llm.calls:
         out.versions.setdefault(c.model, []).append(c.version)
     out.versions = {m: sorted(set(v)) for m, v in out.versions.items()}
@@ -191,7 +193,8 @@ def trajectories(task: Task, out: Outcome, *, episode_id: str, task_model: str, 
     episode called and the task's own model, one even without samples: each trainer counts
     every member of a group, failed ones included (a team task's failure reaches both)."""
     models = sorted(set(out.samples) | ({task_model, *out.versions} & trained))
-    meta = {**meta, "info": out.info, "calls": out.calls, "duration_s": round(out.duration_s, 3)}
+    meta = {**meta, "info": out.info, "calls": out.calls, "duration_s": round(out.duration_s, 3),
+            **({"undelivered_calls": out.undelivered} if out.undelivered else {})}
     return [Trajectory(task=task.task, group_id=task.group_id, index=task.index, episode_id=episode_id, model=m,
                        reward=out.reward if out.reward is not None else 0.0, samples=tuple(out.samples.get(m, ())),
                        group_size=task.group_size, attempt=task.attempt, failed=out.failed,

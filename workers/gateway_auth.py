@@ -3,7 +3,7 @@
 A key is `jet-` + base64url (no padding) of a binary payload and its MAC:
 
     payload = u8 version | u32 expiry (unix s) | str episode id | str tag | str model | str agent
-              (str = u8 length + UTF-8 bytes)
+              | str task (version 2; str = u8 length + UTF-8 bytes)
     mac     = HMAC-SHA256(secret, b"jet-gateway-v1\\0" + run + b"\\0" + payload)
 
 It is a compact binary layout, not JSON: the fields are not secret (ids and
@@ -11,7 +11,8 @@ names), but a key is opaque to agent code and cannot be edited without the
 secret. The MAC covers the run name, so a key of one run is refused by another
 run's gateway even when both share $JET_GATEWAY_SECRET. `Signer.verify`
 compares the MAC in constant time (`hmac.compare_digest`) before it reads any
-field, then checks the version and the expiry. The tag is the Session's
+field, then checks the version and the expiry. Version 1 keys (no task) are
+still read, as task "". The tag is the Session's
 `tag`: a re-run of a redelivered task gets a new one, so keys handed to an
 earlier (crashed) run of the same episode never reach the new run.
 
@@ -42,7 +43,8 @@ from jet.queues.connect import translated
 SECRET_ENV = "JET_GATEWAY_SECRET"
 MIN_SECRET = 32  # characters of $JET_GATEWAY_SECRET
 PREFIX = "jet-"
-VERSION = 1
+VERSION = 2
+FIELDS = {1: 4, 2: 5}  # str fields per key version
 MAC_BYTES = 32
 MAX_KEY_CHARS = 2048  # longer Authorization values are refused before decoding
 _CONTEXT = b"jet-gateway-v1\0"
@@ -66,6 +68,7 @@ class Claims:
     model: str  # the model calls go to unless the request names another configured one
     agent: str  # the agent name the calls are recorded under
     expires: int  # unix seconds
+    task: str = ""  # the episode's task name (what the gateway's warnings name)
 
 
 def _field(value: str) -> bytes:
@@ -88,11 +91,11 @@ class Signer:
 
     def mint(self, claims: Claims) -> str:
         payload = _HEAD.pack(VERSION, max(0, min(claims.expires, 2**32 - 1))) + b"".join(
-            _field(v) for v in (claims.episode_id, claims.tag, claims.model, claims.agent))
+            _field(v) for v in (claims.episode_id, claims.tag, claims.model, claims.agent, claims.task))
         return PREFIX + base64.urlsafe_b64encode(payload + self._mac(payload)).rstrip(b"=").decode()
 
-    def key(self, episode_id: str, tag: str, model: str, agent: str, ttl_s: float) -> str:
-        return self.mint(Claims(episode_id, tag, model, agent, int(time.time() + ttl_s)))
+    def key(self, episode_id: str, tag: str, model: str, agent: str, ttl_s: float, task: str = "") -> str:
+        return self.mint(Claims(episode_id, tag, model, agent, int(time.time() + ttl_s), task))
 
     def verify(self, key: str, now: float | None = None) -> Claims:
         """The claims of a genuine, unexpired key; InvalidKey otherwise."""
@@ -109,22 +112,22 @@ class Signer:
         if len(raw) <= MAC_BYTES + _HEAD.size or not hmac.compare_digest(mac, self._mac(payload)):
             raise InvalidKey("invalid API key")
         version, expires = _HEAD.unpack_from(payload)
-        if version != VERSION:
+        if version not in FIELDS:
             raise InvalidKey(f"API key of unsupported version {version}")
         fields, at = [], _HEAD.size
-        for _ in range(4):
+        for _ in range(FIELDS[version]):
             n = payload[at] if at < len(payload) else len(payload)
             fields.append(payload[at + 1:at + 1 + n])
             at += 1 + n
         if at != len(payload):
             raise InvalidKey("invalid API key")
         try:
-            episode_id, tag, model, agent = (f.decode() for f in fields)
+            episode_id, tag, model, agent, *task = (f.decode() for f in fields)
         except UnicodeDecodeError:
             raise InvalidKey("invalid API key") from None
         if (now if now is not None else time.time()) >= expires:
             raise InvalidKey("expired API key: the episode it was made for is over", "expired_api_key")
-        return Claims(episode_id, tag, model, agent, expires)
+        return Claims(episode_id, tag, model, agent, expires, task[0] if task else "")
 
 
 async def load_secret(r, keys: Keys, url: str = "") -> bytes:

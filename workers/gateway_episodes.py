@@ -15,17 +15,32 @@ What it is:
   a call of an episode that is over (collected, failed, expired) is refused
   with 401 and never written. On a miss the session's kept turns are rebuilt
   from the stream (`restore`), so a restarted or second gateway still extends
-  the same kept token ids.
+  the same kept token ids, and answers the previous_response_id of a response
+  another gateway made.
+- `responses_of(session)`: the conversations behind the episode's Responses
+  API response ids (what `previous_response_id` continues), per episode run.
+
+Calls the client never received: a call is recorded before its answer is sent
+(so a call of an episode that is over is refused with 401, never written);
+when the client disconnected before the whole answer went out, the gateway
+withdraws it: embedded, `Session.withdraw` moves it to `session.undelivered`;
+standalone, a "gw_undelivered" entry names the call's entry and `collect`
+puts that call in `session.undelivered`. Undelivered calls are left out of
+training, not trained masked: the agent never saw the completion, so the
+episode's reward says nothing about it, and no later call extends it (the
+client cannot send back what it never got), so it is no one's context.
 
 Entries: codec entries (orjson metadata, raw int32/float32 arrays), kind
-"gw_open" or "gw_call"; a call carries its Call and the message keys of the
-turn it leaves (what `jet.chat.Conversations` matches on).
+"gw_open", "gw_call" or "gw_undelivered"; a call carries its Call and the
+message keys of the turn it leaves (what `jet.chat.Conversations` matches
+on), and, for a Responses API call, its response id and conversation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import OrderedDict
 
 import anyio
@@ -41,7 +56,23 @@ from jet.workers.gateway_auth import Claims, InvalidKey, Signer
 from jet.workers.gateway_openai import ChatRequest
 
 MAX_SESSIONS = 4096  # episode runs whose conversation state a standalone gateway keeps in memory
-OPEN, CALL = "gw_open", "gw_call"  # entry kinds of a calls stream
+MAX_RESPONSES = 256  # Responses API conversations kept per episode run (for previous_response_id)
+OPEN, CALL, UNDELIVERED = "gw_open", "gw_call", "gw_undelivered"  # entry kinds of a calls stream
+_responses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def responses_of(session: Session) -> OrderedDict[str, list[dict]]:
+    """Response id -> the conversation (messages without instructions, reply included) it ends with."""
+    if session not in _responses:
+        _responses[session] = OrderedDict()
+    return _responses[session]
+
+
+def remember(session: Session, rid: str, messages: list[dict]) -> None:
+    log = responses_of(session)
+    log[rid] = messages
+    while len(log) > MAX_RESPONSES:
+        log.popitem(last=False)
 
 
 class Episodes:
@@ -55,11 +86,12 @@ class Episodes:
     def standalone(self) -> bool:
         return self.r is not None
 
-    async def open(self, session: Session, ttl_s: float) -> None:
+    async def open(self, session: Session, ttl_s: float, task: str = "") -> None:
+        """Give `session` its gateway URL and keys (naming `task`, for the gateway's warnings)."""
         expires = int(time.time() + ttl_s)
 
         def mint(model: str, agent: str) -> str:
-            return self.signer.mint(Claims(session.episode_id, session.tag, model, agent, expires))
+            return self.signer.mint(Claims(session.episode_id, session.tag, model, agent, expires, task))
 
         session.openai_base_url, session.mint_key = self.base_url, mint
         session.openai_api_key = mint(session.model, session.agent)
@@ -81,10 +113,11 @@ class Episodes:
                 p.xrange(key)
                 p.delete(key)
                 entries, _ = await p.execute()
-        for _, fields in entries:
+        gone = undelivered_ids(entries)
+        for entry_id, fields in entries:
             found = decode_call(fields)
             if found is not None:
-                session.record(found[0])
+                (session.undelivered.append if entry_id in gone else session.record)(found[0])
 
     async def close(self, session: Session) -> None:
         """Best effort: refuse further calls of a finished episode (the stream's TTL is the backstop)."""
@@ -124,28 +157,53 @@ class RecordingSessions:
             self._live.popitem(last=False)
         return self._live[key]
 
-    async def recorded(self, claims: Claims, request: ChatRequest, done: ChatCompletion) -> None:
+    async def recorded(self, claims: Claims, request: ChatRequest, done: ChatCompletion,
+                       response: tuple[str, list[dict]] | None = None) -> bytes:
+        """Append the call to the episode's calls stream; its entry id. `response`: (id, conversation)
+        of a Responses API call."""
         key = self.keys.calls(claims.episode_id, claims.tag)
         with translated(self.url):
-            added = await self.r.xadd(key, call_fields(request.messages, request.tools, done), nomkstream=True)
+            added = await self.r.xadd(key, call_fields(request.messages, request.tools, done, response),
+                                      nomkstream=True)
         if added is None:
             self._live.pop(key, None)
             raise InvalidKey("the episode ended before this call finished: it was not recorded", "episode_over")
+        return added
+
+    async def undelivered(self, claims: Claims, done: ChatCompletion, recorded: bytes) -> None:
+        """Mark the call of entry `recorded` as never received (best effort: an episode already collected
+        has it as delivered)."""
+        key = self.keys.calls(claims.episode_id, claims.tag)
+        with translated(self.url):
+            await self.r.xadd(key, codec.encode(UNDELIVERED, {"call": recorded.decode()}), nomkstream=True)
 
 
-def call_fields(messages: list[dict], tools: list[dict] | None, done: ChatCompletion) -> dict[bytes, bytes]:
+def undelivered_ids(entries: list) -> set[bytes]:
+    """Entry ids of the calls a calls stream marks as never received."""
+    out = set()
+    for _, fields in entries:
+        p = codec.decode(fields, max_bytes=1 << 62)
+        if p.kind == UNDELIVERED:
+            out.add(str(p.meta["call"]).encode())
+    return out
+
+
+def call_fields(messages: list[dict], tools: list[dict] | None, done: ChatCompletion,
+                response: tuple[str, list[dict]] | None = None) -> dict[bytes, bytes]:
     """A calls-stream entry: the Call, and the kept turn it leaves (for `restore`)."""
     c = done.call
     meta = {"model": c.model, "agent": c.agent, "version": c.version, "finish_reason": c.finish_reason,
             "keys": [message_key(m) for m in [*messages, done.message]], "tools": tools_key(tools)}
+    if response is not None:
+        meta["response"] = {"id": response[0], "conversation": response[1]}
     return codec.encode(CALL, meta, ints={"prompt": c.prompt_ids, "completion": c.completion_ids},
                         floats={"logprobs": c.completion_logprobs}, max_bytes=1 << 62)
 
 
 def decode_call(fields: dict) -> tuple[Call, dict] | None:
-    """(Call, metadata) of a calls-stream entry; None for the "open" entry. Raises CodecError."""
+    """(Call, metadata) of a calls-stream entry; None for the other entries. Raises CodecError."""
     p = codec.decode(fields, max_bytes=1 << 62)
-    if p.kind == OPEN:
+    if p.kind in (OPEN, UNDELIVERED):
         return None
     if p.kind != CALL:
         raise CodecError(f"expected a {CALL!r} entry, got {p.kind!r}")
@@ -159,12 +217,16 @@ def decode_call(fields: dict) -> tuple[Call, dict] | None:
 
 
 def restore(session: Session, entries: list) -> None:
-    """Rebuild a session's kept turns from its calls stream (blocking: loads tokenizers)."""
-    for _, fields in entries:
+    """Rebuild a session's kept turns and Responses conversations from its calls stream (blocking: loads
+    tokenizers). Calls the client never received leave no turn."""
+    gone = undelivered_ids(entries)
+    for entry_id, fields in entries:
         found = decode_call(fields)
-        if found is None:
+        if found is None or entry_id in gone:
             continue
         call, m = found
+        if isinstance(m.get("response"), dict):
+            remember(session, str(m["response"]["id"]), list(m["response"]["conversation"]))
         conv = session.conversation(call.model, call.agent)
         conv.turns.append(Turn(keys=tuple(m["keys"]), tools=m["tools"], ids=call.ids,
                                completion=call.completion_ids, finish_reason=call.finish_reason))

@@ -22,7 +22,7 @@ import sys
 import click
 
 from jet.config import TaskConfig
-from jet.workers.processes import Child
+from jet.supervisor import Child
 
 
 def same_python(python: str | None) -> bool:
@@ -45,8 +45,9 @@ def env_children(config_path: str, overrides, chosen: list[TaskConfig], apart: l
                   "--drain-timeout", str(drain_timeout), *(x for o in overrides for x in ("--set", o)),
                   *(["--shadow"] if shadow else [])]
         if here:
-            out.append(Child([sys.executable, *common, *(x for t in here for x in ("--task", t))]))
-        out += [Child([t.runtime.python, *common, "--task", t.name], cwd=t.runtime.cwd) for t in apart]
+            out.append(Child(f"env-{slot + i}", [sys.executable, *common, *(x for t in here for x in ("--task", t))]))
+        out += [Child(f"env-{t.name}-{slot + i}", [t.runtime.python, *common, "--task", t.name], cwd=t.runtime.cwd)
+                for t in apart]
     return out
 
 

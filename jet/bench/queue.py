@@ -4,8 +4,8 @@ raw  one redis-py asyncio client (`jet.queues.connect`) XADDs pre-encoded codec
      entries in pipelined batches of 100, no transaction. Each fill is also the
      input of the next measurement; the baseline is the best fill of the run.
 lua  the issue's reference prototype, in this process: XREADGROUP a batch, then
-     one COMMIT script call (ack + marker + produce), no decode, no serve loop.
-hop  1 or 2 worker processes, each the real `Consumer` + `serve` (reaper, lease
+     one SETTLE script call (ack + marker + produce), no decode, no runtime.
+hop  1 or 2 worker processes, each the real consumer runtime (reaper, lease
      keeper, decode, marker check, atomic ack+produce) with a no-op handler that
      forwards each entry (same size) to an output stream. Workers signal ready
      and wait for a `start` event (on the run's `events` stream), so process
@@ -115,16 +115,16 @@ async def lua_hop(r, url: str, keys: Keys, n: int, batch: int) -> tuple[float, f
 
     rb = await connect(url, block_ms=1000)
     src, out = keys.tasks("bench"), keys.traj("bench")
-    commit = r.register_script(scripts.COMMIT)
+    commit = r.register_script(scripts.SETTLE)
     t, cpu, done = time.perf_counter(), time.process_time(), 0
     while done < n:
         got = [e for _, es in await rb.xreadgroup(GROUP, "lua", {src: ">"}, count=batch, block=1000) or []
                for e in es]
         markers = [keys.done_marker(GROUP, f[b"i"].decode()) for _, f in got]
-        argv = [GROUP, 21_600, len(got)]
+        argv = [GROUP, 21_600, len(got), 0]
         for entry_id, fields in got:
-            argv += [entry_id, 1, len(got) + 2, len(fields), *(x for kv in fields.items() for x in kv)]
-        await commit(keys=[src, *markers, out], args=argv)
+            argv += [entry_id, "c", "", 1, len(got) + 4, 0, "b", len(fields), *(x for kv in fields.items() for x in kv)]
+        await commit(keys=[src, keys.stats, keys.dead, *markers, out], args=argv)
         done += len(got)
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     await rb.aclose()
@@ -321,21 +321,20 @@ def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, bat
 # -- the worker process ------------------------------------------------------------------
 
 
-async def work(url: str, run: str, slot: int, batch: int) -> None:
+async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event) -> None:
     from jet.queues import codec
     from jet.queues.connect import connect
-    from jet.queues.consumer import Consumer, Settings, consumer_name
-    from jet.queues.serve import serve, watch_signals
+    from jet.queues.consumer import Settings, consumer_name
+    from jet.queues.runtime import Runtime
 
     keys = Keys(run)
     cfg = Settings(batch=batch, block_ms=1000)
-    r, rb = await connect(url), await connect(url, block_ms=cfg.block_ms)
-    c = Consumer(r, rb, url, keys, keys.tasks("bench"), GROUP, consumer_name("bench", slot), cfg)
+    r = await connect(url)
     out = keys.traj("bench")
     await r.xadd(keys.events, codec.encode("bench", {"event": "ready", "slot": slot}))
     last, started = "0-0", False
     while not started:
-        for _, items in await rb.xread({keys.events: last}, block=1000) or []:
+        for _, items in await r.xread({keys.events: last}, block=1000) or []:
             for last, fields in items:
                 started = started or codec.decode(fields).meta.get("event") == "start"
     cpu = time.process_time()
@@ -343,15 +342,11 @@ async def work(url: str, run: str, slot: int, batch: int) -> None:
     async def handle(ds):  # no-op: forward each (already decoded) entry unchanged
         return [[(out, d.fields)] for d in ds]
 
-    stop = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch_signals, stop)
-        await serve(c, handle, stop)
-        tg.cancel_scope.cancel()
+    async with Runtime(url, keys, keys.tasks("bench"), GROUP, consumer_name("bench", slot), cfg, stop=stop) as rt:
+        await rt.serve_batches(handle, stop)
     cpu = time.process_time() - cpu
     await r.xadd(keys.events, codec.encode("bench", {"event": "done", "slot": slot, "cpu_s": cpu}))
     await r.aclose()
-    await rb.aclose()
 
 
 @click.command("bench-queue-worker", hidden=True)
@@ -362,14 +357,18 @@ async def work(url: str, run: str, slot: int, batch: int) -> None:
 @click.option("--profile", default=None)
 def worker_cli(url, run, slot, batch, profile):
     """One hop consumer, started by `jet bench queue`; SIGTERM drains it (exit 0)."""
+    from jet.supervisor import run_role
+
     if not profile:
-        anyio.run(work, url, run, slot, batch)
+        run_role(lambda stop: work(url, run, slot, batch, stop), "bench-queue-worker")
         return
     import cProfile
 
     with cProfile.Profile() as prof:
-        anyio.run(work, url, run, slot, batch)
-    prof.dump_stats(profile)
+        try:
+            run_role(lambda stop: work(url, run, slot, batch, stop), "bench-queue-worker")
+        finally:
+            prof.dump_stats(profile)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,15 @@ Built-in datasets and the workflows that play them:
 - "propose": a range; a proposer model picks the secret and a solver model
   guesses it (`jet.tasks.propose:workflow`, two agents on two models, a
   per-agent reward).
+
+Agent frameworks, trained unchanged through the gateway (the `agents` extra):
+- "units": convert a quantity with a tool, a LangChain agent
+  (`jet.tasks.units:workflow`, `ChatOpenAI` with bound tools);
+- "lookup": an animal's code number with a function tool, an OpenAI Agents
+  SDK agent on the Responses API (`jet.tasks.lookup:workflow`, streamed) or on
+  chat completions (`jet.tasks.lookup:chat_workflow`);
+- "spell": a word backwards, an agent speaking plain HTTP with `httpx`
+  (`jet.tasks.spell:workflow`).
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ DATASETS = {
     "guess": "jet.tasks.guess:rows",
     "arith": "jet.tasks.expressions:rows",
     "propose": "jet.tasks.propose:rows",
+    "units": "jet.tasks.units:rows",
+    "lookup": "jet.tasks.lookup:rows",
+    "spell": "jet.tasks.spell:rows",
 }
 
 

@@ -29,3 +29,27 @@ def entry(i: int, **meta) -> dict[bytes, bytes]:
 
 async def read_all(r, stream: str) -> list[codec.Payload]:
     return [codec.decode(f) for _, f in await r.xrange(stream)]
+
+
+async def serve(c: Consumer, handle, stop, *, drain_timeout_s: float = 30.0) -> None:
+    """`handle` served in batches by a consumer runtime with `c`'s stream, group, name and settings."""
+    from jet.queues.runtime import Runtime
+
+    async with Runtime(c.url, c.keys, c.stream, c.group, c.name, c.cfg, stop=stop) as rt:
+        await rt.serve_batches(handle, stop, drain_timeout_s=drain_timeout_s)
+
+
+async def eventually(probe, timeout: float = 20.0, every: float = 0.02):
+    """Await `probe()` until it returns something truthy (and return it); fail after `timeout` s."""
+    import anyio
+
+    with anyio.fail_after(timeout):
+        while not (got := await probe()):
+            await anyio.sleep(every)
+    return got
+
+
+async def idle_ms(r, stream: str, group: str, entry_id: str) -> int:
+    """How long an entry has been idle in `group`'s PEL (ms); -1 if it is not pending."""
+    rows = await r.xpending_range(stream, group, entry_id, entry_id, 1)
+    return rows[0]["time_since_delivered"] if rows else -1

@@ -8,9 +8,9 @@ import pytest
 
 from jet.errors import CodecError
 from jet.queues import codec
-from jet.queues.serve import serve
 
-from .helpers import close, entry, make_consumer, read_all
+
+from .helpers import close, entry, make_consumer, read_all, serve
 
 
 def test_roundtrip_raw_little_endian_arrays():

@@ -2,9 +2,9 @@ import anyio
 import pytest
 
 from jet.queues.producer import Producer
-from jet.queues.serve import serve
 
-from .helpers import close, entry, make_consumer, read_all
+
+from .helpers import close, entry, make_consumer, read_all, serve
 
 pytestmark = pytest.mark.anyio
 

@@ -85,10 +85,10 @@ def test_two_models_train_at_once_each_on_its_own_agent(redis_url, keys, tmp_pat
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JET_REDIS_URL": redis_url, "JET_LOG_LEVEL": "INFO"}
     procs = {}
     for role in roles_for(cfg, str(config), (), 1):
-        if role.name == "env":
-            role.argv += ["--drain-timeout", "2"]  # at the end, episodes in flight are not worth waiting for
+        # at the end, episodes in flight are not worth waiting for
+        argv = role.argv + (["--drain-timeout", "2"] if role.name == "env" else [])
         log = open(tmp_path / f"{role.name}.log", "wb")
-        procs[role.name] = subprocess.Popen(role.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs[role.name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     assert sorted(procs) == ["env", "infer-proposer", "infer-solver", "train-proposer", "train-solver"]
     seen: dict[str, dict[str, Trajectory]] = {m: {} for m in STEPS}
     try:

@@ -156,9 +156,14 @@ def test_keys_are_signed_opaque_and_expire():
     assert signer.verify(key) == claims
     raw = base64.urlsafe_b64decode(key[4:] + "=" * (-len(key[4:]) % 4))
     payload = raw[:-32]  # a binary layout, then the MAC: the ids are visible, but it is no JSON
-    assert b"{" not in payload and b"ep-1" in payload and len(payload) < 40
+    assert b"{" not in payload and b"ep-1" in payload
     with pytest.raises(orjson.JSONDecodeError):
         orjson.loads(raw)
+    named = Claims("ep-1", "tag1", "tiny", "solver", claims.expires, task="arith")
+    assert signer.verify(signer.mint(named)).task == "arith"  # the task travels in the key
+    v1 = bytes([1]) + payload[1:-1]  # a version-1 key (no task field), signed: still read, as task ""
+    old = "jet-" + base64.urlsafe_b64encode(v1 + signer._mac(v1)).rstrip(b"=").decode()
+    assert signer.verify(old) == claims
     for i in range(4, len(key)):  # any changed character is refused
         tampered = key[:i] + ("A" if key[i] != "A" else "B") + key[i + 1:]
         with pytest.raises(InvalidKey, match="invalid API key"):
@@ -451,3 +456,24 @@ def test_jet_gateway_command_binds_loopback_and_drains(redis_url, keys, tmp_path
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.anyio
+async def test_prompts_over_the_context_get_400_before_any_request_is_built(live_gateway, tiny_model):
+    """The three checks, none of which builds a generation request (the client here never reaches Redis):
+    characters, tokens counted piecewise, and the rendered prompt's exact length."""
+    from transformers import AutoTokenizer
+
+    base_url, _, key = live_gateway
+    tok = AutoTokenizer.from_pretrained(tiny_model)  # max_position 256: at most 255 prompt tokens
+    word = " cat"
+    per_word = len(tok.encode(word * 100, add_special_tokens=False)) / 100
+    cases = {"x" * 100_000: "characters of text",  # more characters than 255 of the longest token hold
+             word * int(400 / per_word): "over ",  # counted: over 255 x 1.1 + 64 tokens
+             word * int(270 / per_word): "the prompt is "}  # fits the count, not the context once rendered
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
+        for text, reason in cases.items():
+            res = await http.post(base_url + "/chat/completions", json={"messages": [{"role": "user", "content": text}]})
+            error = res.json()["error"]
+            assert res.status_code == 400 and error["code"] == "context_length_exceeded", error
+            assert reason in error["message"] and error["param"] == "messages", error

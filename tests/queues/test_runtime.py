@@ -1,0 +1,129 @@
+"""The consumer runtime's per-message mode (`serve_each`): slow and fast messages in flight together,
+each committed as it finishes, nothing lost when the process is SIGKILLed mid-work."""
+
+import functools
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from jet.queues import codec
+from jet.queues.connect import connect
+from jet.queues.consumer import Settings
+from jet.queues.producer import Producer
+from jet.queues.runtime import Commit, Dead, Drop, Runtime
+
+from .helpers import entry, eventually, read_all
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_each_message_commits_as_it_finishes_while_slow_ones_run(redis_url, keys):
+    src, dst = keys.tasks("src"), keys.traj("dst")
+    r = await connect(redis_url)
+    await Producer(r, redis_url, keys, src).send([entry(0, slow=True)] + [entry(i) for i in range(1, 9)])
+    release_slow, stop = anyio.Event(), anyio.Event()
+    in_flight: set[int] = set()
+    peak = 0
+
+    async def handle(d):
+        nonlocal peak
+        n = d.payload.meta["n"]
+        in_flight.add(n)
+        peak = max(peak, len(in_flight))
+        try:
+            if d.payload.meta.get("slow"):
+                await release_slow.wait()
+            else:
+                await anyio.sleep(0.01 * n)
+        finally:
+            in_flight.discard(n)
+        return Commit([(dst, entry(n))])
+
+    async def fast_ones_out() -> bool:
+        return await r.xlen(dst) == 8
+
+    async with Runtime(redis_url, keys, src, "g", "each", Settings(block_ms=200)) as rt:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(rt.serve_each, handle, stop, concurrency=4))
+            await eventually(fast_ones_out)  # eight fast ones committed around the slow one ...
+            assert 0 in in_flight and (await r.xpending(src, "g"))["pending"] == 1  # ... still running
+            release_slow.set()
+            await eventually(lambda: _equals(r.xlen(dst), 9))
+            stop.set()
+    assert sorted(p.meta["n"] for p in await read_all(r, dst)) == list(range(9))
+    assert [p.meta["n"] for p in await read_all(r, dst)][-1] == 0  # the slow one was committed last
+    assert peak == 4  # never more in flight than asked
+    assert (await r.xpending(src, "g"))["pending"] == 0
+    await r.aclose()
+
+
+async def _equals(value, want) -> bool:
+    return await value == want
+
+
+async def test_each_outcomes_are_values(redis_url, keys):
+    src, dst = keys.tasks("src"), keys.traj("dst")
+    r = await connect(redis_url)
+    await Producer(r, redis_url, keys, src).send([entry(i) for i in range(4)])
+    stop, tries = anyio.Event(), {}
+
+    async def handle(d):
+        n = d.payload.meta["n"]
+        tries[n] = tries.get(n, 0) + 1
+        if n == 0:
+            return Commit([(dst, entry(0))])
+        if n == 1:
+            return Dead("no good")
+        if n == 2:
+            return Drop("moot")
+        if tries[n] == 1:
+            raise RuntimeError("flaky")  # an exception is a Release with its traceback
+        return Commit([(dst, entry(3))])
+
+    async with Runtime(redis_url, keys, src, "g", "each", Settings(block_ms=200, lease_ms=300)) as rt:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(rt.serve_each, handle, stop, concurrency=2))
+            await eventually(lambda: _equals(r.xlen(dst), 2))
+            stop.set()
+    assert sorted(p.meta["n"] for p in await read_all(r, dst)) == [0, 3]
+    [dl] = await read_all(r, keys.dead)
+    assert dl.meta["reason"] == "no good" and codec.decode({k.encode(): v for k, v in dl.raw.items()}).meta["n"] == 1
+    stats = await r.hgetall(keys.stats)
+    assert stats[b"dead"] == b"1" and stats[b"moot"] == b"1"
+    assert tries[3] == 2 and (await r.xpending(src, "g"))["pending"] == 0
+    await r.aclose()
+
+
+async def test_each_sigkill_mid_work_loses_nothing(redis_url, keys):
+    """Fast messages are committed at once; the slow ones are in flight when the process is
+    SIGKILLed; a restarted process on the same slot finishes them, each exactly once."""
+    src, n = keys.tasks("src"), 12
+    r = await connect(redis_url)
+    await Producer(r, redis_url, keys, src).send([entry(i, sleep=600 if i % 4 == 0 else 0.01) for i in range(n)])
+    args = [redis_url, keys.run, "3", "--each", "4", "--lease-ms", "600000"]
+    p = subprocess.Popen([sys.executable, "-m", "tests.queues.hop_worker", *args], cwd=ROOT, stdout=subprocess.DEVNULL)
+
+    async def fast_done_slow_held() -> bool:
+        return await r.xlen(keys.traj("dst")) == 9 and (await r.xpending(src, "g"))["pending"] == 3
+
+    try:
+        await eventually(fast_done_slow_held, timeout=30)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    q = subprocess.Popen([sys.executable, "-m", "tests.queues.hop_worker", *args], cwd=ROOT, stdout=subprocess.DEVNULL)
+    try:
+        await eventually(lambda: _equals(r.xlen(keys.traj("dst")), n), timeout=30)
+    finally:
+        q.send_signal(signal.SIGTERM)
+        assert q.wait(30) == 0
+    out = [x.meta for x in await read_all(r, keys.traj("dst"))]
+    assert sorted(o["n"] for o in out) == list(range(n))
+    assert {o["n"]: o["deliveries"] for o in out} == {i: 2 if i % 4 == 0 else 1 for i in range(n)}
+    assert (await r.xpending(src, "g"))["pending"] == 0
+    await r.aclose()

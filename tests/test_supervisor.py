@@ -1,0 +1,150 @@
+"""jet.supervisor on real processes: restarts with backoff, the crash-loop limit and fatal exits
+(both naming the child and its last log lines), required children, SIGTERM drains, rolling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jet.supervisor import EXIT_FATAL, READY_ENV, Child, Supervisor
+
+FAST = (0.05, 0.2)  # restart delays for tests (s)
+
+
+def script(tmp_path: Path, name: str, body: str) -> list[str]:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return [sys.executable, str(path)]
+
+
+def drive(sup: Supervisor, until, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "condition not reached"
+        sup.poll()
+        time.sleep(0.02)
+
+
+SLEEPER = """
+    import signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def test_a_crashing_child_is_restarted_with_backoff(tmp_path):
+    count = tmp_path / "count"
+    argv = script(tmp_path, "flaky", f"""
+        import pathlib, signal, sys, time
+        p = pathlib.Path({str(count)!r})
+        n = int(p.read_text()) if p.exists() else 0
+        p.write_text(str(n + 1))
+        if n < 2:
+            sys.exit(3)  # crash the first two times
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        while True:
+            time.sleep(0.05)
+    """)
+    sup = Supervisor(lambda bank: [Child("flaky", argv)], restart_delay_s=FAST).start()
+    started = time.monotonic()
+    drive(sup, lambda: count.exists() and count.read_text() == "3" and sup.procs[0].alive)
+    assert time.monotonic() - started >= FAST[0] + 2 * FAST[0]  # waited 0.05 then 0.1 s between starts
+    assert sup.failure is None and sup.procs[0].crashes == 2
+    sup.stop()
+    sup.wait(10)
+    assert sup.exit_code() == 0  # the last run exited cleanly on SIGTERM
+
+
+def test_a_crash_loop_ends_supervision_naming_the_child_and_its_last_lines(tmp_path):
+    argv = script(tmp_path, "broken", """
+        import sys
+        print("loading the thing", flush=True)
+        print("ValueError: the thing is broken", file=sys.stderr, flush=True)
+        sys.exit(3)
+    """)
+    other = Child("bystander", script(tmp_path, "sleeper", SLEEPER), log=tmp_path / "bystander.log")
+    sup = Supervisor(lambda bank: [Child("broken", argv, log=tmp_path / "broken.log"), other], max_restarts=2,
+                     restart_delay_s=FAST).start()
+    drive(sup, lambda: sup.failure is not None)
+    assert "broken crashed 3 times in a row (exit code 3)" in sup.failure
+    assert "ValueError: the thing is broken" in sup.failure and str(tmp_path / "broken.log") in sup.failure
+    sup.wait(10)
+    assert not sup.procs[1].alive  # everything else was stopped
+    assert sup.exit_code() == 1
+
+
+def test_a_fatal_exit_is_not_restarted(tmp_path):
+    argv = script(tmp_path, "fatal", f"""
+        import sys
+        print("jet worker env: error: authentication to Redis at redis://:***@h:1/0 failed", file=sys.stderr)
+        sys.exit({EXIT_FATAL})
+    """)
+    sup = Supervisor(lambda bank: [Child("env", argv, log=tmp_path / "env.log")], restart_delay_s=FAST).start()
+    drive(sup, lambda: sup.failure is not None)
+    assert "env stopped with an error that restarting cannot fix" in sup.failure
+    assert "authentication to Redis" in sup.failure
+    assert sup.procs[0].crashes == 0 and len((tmp_path / "env.log").read_text().splitlines()) == 1  # ran once
+
+
+def test_required_children_done_stop_the_others(tmp_path):
+    done = Child("trainer", script(tmp_path, "quick", "print('trained')\n"), required=True)
+    worker = Child("worker", script(tmp_path, "sleeper", SLEEPER))
+    sup = Supervisor(lambda bank: [done, worker], restart_delay_s=FAST).start()
+    drive(sup, lambda: not sup.poll())
+    assert sup.stops == 1 and sup.failure is None and sup.exit_code() == 0
+    assert [p.popen.returncode for p in sup.procs] == [0, 0]
+
+
+def test_run_drains_every_child_on_sigterm(tmp_path):
+    marker = tmp_path / "drained"
+    child = script(tmp_path, "drainer", f"""
+        import pathlib, signal, sys, time
+        def drain(*_):
+            pathlib.Path({str(marker)!r}).write_text("yes")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, drain)
+        print("up", flush=True)
+        while True:
+            time.sleep(0.05)
+    """)
+    runner = script(tmp_path, "runner", f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from jet.supervisor import Child, Supervisor
+        sys.exit(Supervisor(lambda bank: [Child("a", {child!r}), Child("b", {child!r})]).run())
+    """)
+    p = subprocess.Popen(runner, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up" and p.stdout.readline().strip() == "up"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == 0 and marker.read_text() == "yes"
+
+
+def test_roll_starts_the_next_bank_and_drains_the_old_one_once_it_is_ready(tmp_path):
+    argv = script(tmp_path, "banked", f"""
+        import os, pathlib, signal, sys, time
+        bank = sys.argv[1]
+        log = pathlib.Path({str(tmp_path)!r}) / f"bank{{bank}}.log"
+        signal.signal(signal.SIGTERM, lambda *_: (log.write_text("drained"), sys.exit(0)))
+        time.sleep(0.3)  # loading the new code
+        open(os.environ[{READY_ENV!r}], "w").close()
+        while True:
+            time.sleep(0.05)
+    """)
+    sup = Supervisor(lambda bank: [Child(f"w{bank}", argv + [str(bank)])], reload=True, restart_delay_s=FAST).start()
+    drive(sup, lambda: sup.procs[0].ready)
+    sup.roll()
+    drive(sup, lambda: sup.bank == 1)
+    assert not (tmp_path / "bank0.log").exists()  # the old one serves until the new one is ready
+    drive(sup, lambda: (tmp_path / "bank0.log").exists() and not sup.draining)
+    assert sup.procs[0].child.name == "w1" and sup.procs[0].alive
+    sup.stop()
+    sup.wait(10)
+    assert sup.exit_code() == 0 and os.path.exists(tmp_path / "bank1.log")

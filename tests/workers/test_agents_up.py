@@ -1,0 +1,58 @@
+"""The framework tasks trained by a short `jet up` (issue 15): LangChain ("units"), the OpenAI Agents SDK on
+the Responses API and on chat completions ("lookup"), plain httpx ("spell"), each its own task of one run on
+the random tiny model: real role processes (inference, env worker with its embedded gateway, trainer), a few
+optimiser steps, and every task's trajectories holding tokens recorded through the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import anyio
+import pytest
+import yaml
+
+from .conftest import MODEL, trajectories
+from .test_arith import long_model  # noqa: F401 - a fixture
+
+TASKS = {  # task: (workflow, dataset)
+    "langchain": ("jet.tasks.units:workflow", "units"),
+    "agents-responses": ("jet.tasks.lookup:workflow", "lookup"),
+    "agents-chat": ("jet.tasks.lookup:chat_workflow", "lookup"),
+    "httpx": ("jet.tasks.spell:workflow", "spell"),
+}
+STEPS = 2
+
+
+@pytest.mark.slow
+def test_jet_up_trains_every_framework_task(redis_url, keys, tmp_path, long_model):
+    tasks = [{"name": name, "workflow": wf, "dataset": data, "group_size": 2, "concurrency": 4, "max_retries": 1,
+              "episode_timeout_s": 60} for name, (wf, data) in TASKS.items()]
+    cfg = {"run": keys.run, "runs_dir": str(tmp_path / "runs"),
+           "queues": {"lease_ms": 10000, "block_ms": 500},
+           "models": [{"name": MODEL, "path": str(long_model), "max_batch": 16}], "tasks": tasks,
+           "trainer": {"lr": 1e-3, "batch_groups": len(TASKS), "steps": STEPS, "min_group_size": 1,
+                       "micro_batch_tokens": 4096, "max_staleness": 100, "checkpoint_every": 100, "mix_wait_s": 60}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "jet.cli", "up", "--config", str(path), "--no-live",
+                          "--redis-url", redis_url, "--run-dir", str(tmp_path / ".jet")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    logs = tmp_path / "runs" / keys.run / "logs"
+    shown = res.stderr[-3000:] + "".join(f"\n--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(logs.glob("*.log")))
+    assert res.returncode == 0, shown
+    metrics = [json.loads(line) for line in
+               (tmp_path / "runs" / keys.run / "trainer" / MODEL / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == STEPS, shown
+    trajs = anyio.run(trajectories, redis_url, keys)
+    for name in TASKS:
+        mine = [t for t in trajs if t.task == name and not t.failed]
+        assert mine, (name, [t.error for t in trajs if t.task == name])
+        for t in mine:  # tokens recorded through the gateway: calls, samples, trained tokens
+            assert t.meta["calls"] > 0 and t.samples, (name, t.meta)
+            assert all(len(s.tokens) > 0 and sum(s.mask) > 0 for s in t.samples)
+        assert sum(m.get(f"train/{name}/groups", 0) for m in metrics[-1:]) > 0, (name, metrics[-1])
