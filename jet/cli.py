@@ -25,6 +25,7 @@ from jet.cliopts import LazyGroup, setup_logging
         "init": ("jet.starter:cli", "Write a starter project (config, OpenAI-SDK agent, dataset) to a folder."),
         "gateway": ("jet.workers.gateway:cli", "OpenAI-compatible API whose calls are recorded in their episodes."),
         "feed": ("jet.feed:cli", "Keep the task streams of a config topped up from their datasets."),
+        "dash": ("jet.dash.server:cli", "Live web dashboard (swarm, training, episodes, studies) and /metrics."),
         "bench": ("jet.cli:bench", "Benchmarks that print ratios against an in-run baseline."),
         "model": ("jet.models:cli", "Build tiny local models and tokenizers."),
         "train": ("jet.trainer.cli:train", "Train a model on its trajectories (torch or deepspeed)."),
@@ -46,6 +47,8 @@ def main(log_level: str) -> None:
         "merge": ("jet.bench.merge:cli", "Tokens and train time: none vs exact vs tree merging."),
         "async": ("jet.bench.async_:cli", "Trainer throughput: synchronous barrier vs bounded staleness."),
         "staleness": ("jet.bench.staleness:cli", "Reward at equal steps on k-versions-old batches, per objective."),
+        "rollout": ("jet.bench.rollout:cli", "Generation tokens/s: direct vs full path, continuous vs batch-sync."),
+        "gpu": ("jet.bench.gpu:cli", "Device check: generation and training tokens/s and MFU, Qwen2-0.5B shape."),
     },
 )
 def bench() -> None:

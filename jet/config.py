@@ -8,12 +8,11 @@ run folder so a run can be reproduced. Each section is a `configlib.Section`
 (frozen, unknown keys forbidden, strict types); the line under each field says
 what it does and its unit, and is the field's description.
 
-The default config ships in the package (`jet/configs/default.yaml`,
-`default_config_path()`), so `jet up` works from any folder. A config inside
-the package has no folder of its own to resolve against (and the package
-folder is no place for models): its relative paths are taken against the
-folder `jet` runs in, the project folder that `runs_dir` and `.jet/` live in
-too, so the default's model is `./.jet/models/tiny`.
+The default config ships in the package (`default_config_path()`), so `jet up`
+works in any folder. A config inside the package has no folder of its own (and
+the package is no place for models): its relative paths resolve against the
+folder `jet` runs in, where `runs_dir` and `.jet/` are, so the default's model
+is `./.jet/models/tiny`.
 
 What is not here: secrets. The Redis URL (and its password) comes from the
 environment (`JET_REDIS_URL`) or the CLI; a config file that names one is refused.
@@ -119,7 +118,13 @@ class ModelConfig(Section):
     device: NonEmpty = "cpu"
     """Torch device of the inference worker ('cpu', 'cuda', 'cuda:1')."""
     max_batch: PositiveInt = 16
-    """Generation requests batched together by one inference worker (requests)."""
+    """Unused since the inference worker serves per request (max_inflight); accepted for old configs."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Inference dtype; float32 gives the logprobs a float32 trainer recomputes (bfloat16 is faster on GPUs)."""
+    max_inflight: PositiveInt = 64
+    """Generation requests one inference worker decodes at once, each answered as it completes (requests)."""
+    weights_roots: list[str] = Field(default_factory=list)
+    """Folders weight announcements may point into besides <runs_dir>/<run>/weights/<model> (paths)."""
     trainer: dict[str, Any] = Field(default_factory=dict)
     """This model's trainer settings over the top-level `trainer` section (e.g. {lr: 1e-4, seed: 1})."""
 
@@ -207,6 +212,9 @@ class TrainerConfig(Section):
     """Trainer processes (data-parallel ranks) when backend is 'deepspeed' (processes)."""
     device: NonEmpty = "cpu"
     """Torch device of the trainer ('cpu', 'cuda'); deepspeed ranks on 'cuda' use cuda:<local rank>."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of forward/backward: 'bfloat16' autocasts over float32 master weights (torch backend)
+    or runs DeepSpeed's bf16 mode (its optimiser keeps float32 master weights); logprobs stay float32."""
     lease_s: PositiveFloat = 600.0
     """Lease on consumed trajectories, held (and renewed) until a checkpoint makes their step durable (s)."""
     keep_checkpoints: PositiveInt = 2
@@ -215,6 +223,20 @@ class TrainerConfig(Section):
     """Seed of torch, numpy and the dataset order (integer)."""
     mix_wait_s: NonNegativeFloat = 30.0
     """Longest wait for a task with no ready group before a step is filled with other tasks' groups (s)."""
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"])
+    """Metric sinks of rank 0: jsonl (metrics.jsonl, read by `jet dash` and `jet plot`), tensorboard (when
+    installed), wandb ($WANDB_PROJECT, $WANDB_MODE, ...), mlflow ($MLFLOW_TRACKING_URI, else a local store)."""
+    overlong: Literal["truncate", "dead_letter"] = "truncate"
+    """A trajectory with a token whose context exceeds micro_batch_tokens: 'truncate' trains the tokens whose
+    context fits and drops the rest (counted), 'dead_letter' sends the whole trajectory to `dead`."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _distinct(cls, loggers: list[str]) -> list[str]:
+        if len(set(loggers)) != len(loggers):
+            raise ValueError(f"duplicate logger in {loggers}")
+        return loggers
 
 
 class JetConfig(Section):

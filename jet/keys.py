@@ -55,6 +55,11 @@ class Keys:
     def weights(self, model: str) -> str:
         return f"{self.prefix}weights:{check_name('model', model)}"
 
+    def weights_rejected(self, model: str) -> str:
+        """Hash `<consumer> <entry id>` -> reason: weight announcements an inference worker dead-lettered
+        (it never reads them again, also after a restart)."""
+        return f"{self.prefix}weights-rejected:{check_name('model', model)}"
+
     def calls(self, episode_id: str, tag: str) -> str:
         """Stream of the LLM calls a `jet gateway` answered for one run (`tag`) of an episode;
         the env worker creates it when the episode starts and reads and deletes it at its end."""
@@ -77,6 +82,16 @@ class Keys:
     def stats(self) -> str:
         """Hash of counters (lost work reported by XAUTOCLAIM, dead letters, ...)."""
         return f"{self.prefix}stats"
+
+    def worker(self, name: str) -> str:
+        """Hash: one worker's heartbeat (role, host, code and weight versions), expiring when it stops
+        beating (`jet.queues.registry`)."""
+        return f"{self.prefix}worker:{check_name('worker', name)}"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set: worker name -> unix time of its last heartbeat (the index of the worker hashes)."""
+        return f"{self.prefix}workers"
 
     def done_marker(self, group: str, msg_id: str) -> str:
         """Idempotency marker: set when `group` committed the effects of message `msg_id`."""

@@ -7,7 +7,7 @@ What it is:
 - `Session`, one per episode (`client.session(...)`): what a workflow gets as
   `llm`. `chat` builds the prompt token-in-token-out (`jet.chat`), generates,
   records a `jet.timeline.Call` (prompt ids, completion ids, logprobs, version,
-  model, agent) in `session.calls`, and returns the assistant message.
+  model, agent, and the request's temperature and top_p) in `session.calls`, and returns the assistant message.
   `chat_completion` returns the same plus the raw result (what an HTTP gateway
   needs); `generate` is the raw token-ids path, recorded the same way.
   An env worker also gives each session the base URL and API key of its
@@ -364,6 +364,6 @@ class Session:
                              agent=agent, **sampling)
         result = await self.client.generate(request, timeout_s)
         call = Call(prompt_ids, result.token_ids, result.logprobs, result.version, model, agent,
-                    result.finish_reason)
+                    result.finish_reason, temperature=request.temperature, top_p=request.top_p)
         self.record(call)
         return result, call

@@ -42,6 +42,10 @@ def render(reports: list[dict]):
                               str(g["pending"]) if g else "-", str(g["lag"]) if g else "-", cons or "-")
         stats = ", ".join(f"{k}={v}" for k, v in sorted(rep["stats"].items()))
         table.add_row(rep["run"], "[b]dead letters[/b]", str(rep["dead"]), "", "", "", stats)
+        if rep["stats"].get("no_llm_calls"):  # episodes that trained nothing: say so, with the likely cause
+            table.add_row(rep["run"], "[b yellow]episodes with no LLM call[/b yellow]", str(rep["stats"]["no_llm_calls"]),
+                          "", "", "", "they train nothing: the workflow called no model through its session "
+                          "(another endpoint, or none)")
     return table
 
 

@@ -1,9 +1,11 @@
 """Timelines: merge an episode's LLM calls into training samples, token-exact.
 
 What it is: `Call` (one LLM call as the client saw it: prompt ids, completion
-ids and logprobs, weight version, model, agent, finish reason), `Sample` (what
-a trainer trains on: a linear sequence or a prefix tree of tokens with a loss
-mask, behaviour logprobs and versions) and `merge_calls` / `merge_episodes`:
+ids and logprobs, weight version, model, agent, finish reason, and the
+sampling settings temperature and top_p), `Sample` (what a trainer trains on:
+a linear sequence or a prefix tree of tokens with a loss mask, behaviour
+logprobs, versions and each token's sampling settings) and `merge_calls` /
+`merge_episodes`:
 
 - ``none``: one sample per call, the baseline: O(T^2) tokens for T turns.
 - ``exact``: a call extends the timeline of its model whose tokens are the
@@ -16,16 +18,27 @@ mask, behaviour logprobs and versions) and `merge_calls` / `merge_episodes`:
 - ``tree``: all calls of one model go into one prefix tree (trie); every
   distinct token position is stored once (see `jet.timeline_tree`).
 
+Cutting a sample to a token budget (`split_sample`, `truncate_sample`) lives in
+`jet.timeline_split` and is re-exported here.
+
+Greedy calls (temperature 0) are context, never trained: their completion
+tokens get mask 0 like prompt tokens. A greedy token was not drawn from any
+distribution the trainer could evaluate (its behaviour probability is 1, the
+PPO ratio against it is meaningless), and training it under temperature 1
+would push the policy towards its own argmax as if it had been sampled.
+
 What it is not: no tokenisation, no chat templates, no torch. Prompts must be
 built token-in-token-out (DESIGN.md, "Timelines"); this module only compares
 token ids, so it cannot be fooled by text that re-tokenises differently.
 
 Invariants (tests/test_timeline_props.py checks them on random episodes):
-- every completion token of every call appears in exactly one sample with mask
-  1, its logprob, its version and exactly its call's context: its ancestors
-  are the call's prompt followed by the completion tokens before it;
-- mask-0 tokens carry logprob 0.0, version -1 and episode -1; a root is never
-  trained (nothing predicts it), and no sample ends in an untrained leaf;
+- every completion token of every sampled (temperature > 0) call appears in
+  exactly one sample with mask 1, its logprob, its version, its call's
+  temperature and top_p and exactly its call's context: its ancestors are the
+  call's prompt followed by the completion tokens before it;
+- mask-0 tokens carry logprob 0.0, version -1, episode -1, temperature 1.0 and
+  top_p 1.0; a root is never trained (nothing predicts it), and no sample ends
+  in an untrained leaf;
 - tokens are in depth-first preorder: parents[i] < i and every subtree is a
   contiguous range, so "k is an ancestor-or-self of q" is k <= q < end[k];
 - one model per sample; position id = depth in the tree.
@@ -33,6 +46,7 @@ Invariants (tests/test_timeline_props.py checks them on random episodes):
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Sequence
@@ -60,6 +74,8 @@ class Call:
     model: str
     agent: str = ""
     finish_reason: str = "stop"  # "stop" (EOS) or "length" (cut by max_tokens, no EOS)
+    temperature: float = 1.0  # the request's sampling temperature; 0 = greedy (never trained)
+    top_p: float = 1.0  # the request's nucleus mass, in (0, 1]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -73,6 +89,10 @@ class Call:
             )
         if self.version < 0:
             raise ValueError(f"version must be >= 0, got {self.version}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -94,8 +114,12 @@ class Sample:
     """A training sample: a linear sequence or a prefix tree in preorder.
 
     Per-token columns, all of one length. Where mask is 0 the behaviour fields
-    are unset: logprob 0.0, version -1, episode -1 (the mask says which are
-    valid). On the wire the mask is not sent: it is `version >= 0`.
+    are unset: logprob 0.0, version -1, episode -1, temperature 1.0, top_p 1.0
+    (the mask says which are valid). On the wire the mask is not sent: it is
+    `version >= 0`; the sampling columns are sent only when some token was
+    drawn with temperature or top_p other than 1, so a sample without them
+    (an older sender's) decodes as temperature 1, top_p 1. Left empty in the
+    constructor, they mean the same.
     """
 
     tokens: tuple[int, ...]
@@ -108,8 +132,13 @@ class Sample:
     agents: tuple[str, ...]  # agents whose calls generated tokens here, in order of first appearance
     episode_ids: tuple[str, ...]
     rewards: tuple[float, ...]  # one per episode_ids entry
+    temperatures: tuple[float, ...] = ()  # sampling temperature of each token (> 0 where trained)
+    top_ps: tuple[float, ...] = ()  # nucleus mass of each token, in (0, 1]
 
     def __post_init__(self) -> None:
+        n = len(self.tokens)
+        object.__setattr__(self, "temperatures", _f32(self.temperatures) if self.temperatures else (1.0,) * n)
+        object.__setattr__(self, "top_ps", _f32(self.top_ps) if self.top_ps else (1.0,) * n)
         _check_sample(self)
 
     def __len__(self) -> int:
@@ -122,6 +151,11 @@ class Sample:
     @property
     def is_linear(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @property
+    def default_sampling(self) -> bool:
+        """Every token at temperature 1, top_p 1: the sampling columns need not travel."""
+        return all(t == 1.0 for t in self.temperatures) and all(p == 1.0 for p in self.top_ps)
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -145,9 +179,12 @@ class Sample:
             ints["parents"] = self.parents
         if len(self.episode_ids) > 1:
             ints["episodes"] = self.episodes
+        floats: dict[str, Sequence[float]] = {"logprobs": self.logprobs}
+        if not self.default_sampling:
+            floats.update(temperatures=self.temperatures, top_ps=self.top_ps)
         from jet.queues import codec
 
-        return codec.encode(KIND, meta, ints=ints, floats={"logprobs": self.logprobs}, msg_id=msg_id)
+        return codec.encode(KIND, meta, ints=ints, floats=floats, msg_id=msg_id)
 
     @classmethod
     def decode(cls, fields: Mapping[bytes, bytes]) -> "Sample":
@@ -180,22 +217,31 @@ def _sample_from_payload(meta: dict[str, Any], arrays: Mapping[str, array]) -> S
         agents=tuple(str(a) for a in meta["agents"]),
         episode_ids=tuple(str(e) for e in meta["episode_ids"]),
         rewards=tuple(float(r) for r in meta["rewards"]),
+        temperatures=tuple(arrays["temperatures"]) if "temperatures" in arrays else (),
+        top_ps=tuple(arrays["top_ps"]) if "top_ps" in arrays else (),
     )
 
 
 def _check_sample(s: Sample) -> None:
     n = len(s.tokens)
-    columns = (s.parents, s.mask, s.logprobs, s.versions, s.episodes)
+    columns = (s.parents, s.mask, s.logprobs, s.versions, s.episodes, s.temperatures, s.top_ps)
     if any(len(c) != n for c in columns):
         raise ValueError(f"per-token columns differ in length: {[n, *map(len, columns)]}")
     if len(s.rewards) != len(s.episode_ids):
         raise ValueError(f"{len(s.episode_ids)} episode ids but {len(s.rewards)} rewards")
-    for i, (m, lp, v, e, p) in enumerate(zip(s.mask, s.logprobs, s.versions, s.episodes, s.parents)):
+    rows = zip(s.mask, s.logprobs, s.versions, s.episodes, s.parents, s.temperatures, s.top_ps)
+    for i, (m, lp, v, e, p, t, tp) in enumerate(rows):
         if m == 1:
             if v < 0 or p < 0 or not 0 <= e < len(s.episode_ids):
                 raise ValueError(f"token {i}: trained tokens need a version, a parent and an episode")
-        elif m != 0 or lp != 0.0 or v != -1 or e != -1:
-            raise ValueError(f"token {i}: untrained tokens carry logprob 0.0, version -1, episode -1")
+            if not math.isfinite(lp):
+                raise ValueError(f"token {i}: behaviour logprob {lp} is not finite")
+            if not (0 < t < math.inf and 0 < tp <= 1):
+                raise ValueError(f"token {i}: trained tokens need temperature > 0 and top_p in (0, 1], "
+                                 f"got {t}, {tp}")
+        elif m != 0 or lp != 0.0 or v != -1 or e != -1 or t != 1.0 or tp != 1.0:
+            raise ValueError(f"token {i}: untrained tokens carry logprob 0.0, version -1, episode -1, "
+                             f"temperature 1.0, top_p 1.0")
     _check_preorder(s.parents)
 
 
@@ -235,24 +281,29 @@ def _build(
     episode_of: Sequence[int],
     episodes: Sequence[Episode],
 ) -> Sample | None:
+    who = [w if w < 0 or calls[w].temperature > 0 else -1 for w in who]  # greedy tokens are context
     keep = _prune(parents, who)
     if not keep:
         return None
     new_index = {old: new for new, old in enumerate(keep)}
     local_episode: dict[int, int] = {}
     agents: dict[str, None] = {}
-    lps, vers, eps = [], [], []
+    lps, vers, eps, temps, top_ps = [], [], [], [], []
     for i in keep:
         c = who[i]
         if c < 0:
             lps.append(0.0)
             vers.append(-1)
             eps.append(-1)
+            temps.append(1.0)
+            top_ps.append(1.0)
         else:
             agents.setdefault(calls[c].agent)
             lps.append(calls[c].completion_logprobs[k[i]])
             vers.append(calls[c].version)
             eps.append(local_episode.setdefault(episode_of[c], len(local_episode)))
+            temps.append(calls[c].temperature)
+            top_ps.append(calls[c].top_p)
     return Sample(
         tokens=tuple(tokens[i] for i in keep),
         parents=tuple(new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep),
@@ -264,6 +315,8 @@ def _build(
         agents=tuple(agents),
         episode_ids=tuple(episodes[e].episode_id for e in local_episode),
         rewards=tuple(float(episodes[e].reward) for e in local_episode),
+        temperatures=tuple(temps),
+        top_ps=tuple(top_ps),
     )
 
 
@@ -339,61 +392,5 @@ def merge_calls(
     return merge_episodes([Episode(tuple(calls), episode_id, reward)], mode)
 
 
-def split_sample(sample: Sample, max_tokens: int) -> list[Sample]:
-    """Cut a sample into pieces of at most `max_tokens`, each a valid sample.
-
-    Walks the preorder; when a piece is full the next one starts with a copy
-    of the current token's ancestors, untrained (they are trained where they
-    first appeared), so every trained token keeps its exact context. Raises
-    ValueError when a single root-to-token path is longer than `max_tokens`.
-    """
-    if len(sample) <= max_tokens:
-        return [sample]
-    pieces: list[tuple[list[int], list[int], list[bool]]] = []
-    path: list[int] = []  # original indices from the root to the current token
-    where: dict[int, int] = {}  # original index -> index in the current piece
-    for i, p in enumerate(sample.parents):
-        while path and path[-1] != p:
-            path.pop()
-        if not pieces or len(pieces[-1][0]) >= max_tokens:
-            if len(path) + 1 > max_tokens:
-                raise ValueError(f"token {i} has {len(path)} ancestors: more than max_tokens={max_tokens}")
-            pieces.append(([], [], []))
-            where = {}
-            for a in path:
-                _take(pieces[-1], where, a, sample.parents[a], trained=False)
-        _take(pieces[-1], where, i, p, trained=bool(sample.mask[i]))
-        path.append(i)
-    out = (_piece(sample, *piece) for piece in pieces)
-    return [s for s in out if s is not None]
-
-
-def _take(piece: tuple[list[int], list[int], list[bool]], where: dict[int, int], i: int, p: int, trained: bool):
-    idx, parents, trained_col = piece
-    where[i] = len(idx)
-    idx.append(i)
-    parents.append(where[p] if p >= 0 else -1)
-    trained_col.append(trained)
-
-
-def _piece(s: Sample, idx: list[int], parents: list[int], trained: list[bool]) -> Sample | None:
-    keep = _prune(parents, [0 if t else -1 for t in trained])
-    if not keep:
-        return None
-    new_index = {old: new for new, old in enumerate(keep)}
-
-    def col(values: Sequence[Any], unset: Any) -> tuple[Any, ...]:
-        return tuple(values[idx[j]] if trained[j] else unset for j in keep)
-
-    return Sample(
-        tokens=tuple(s.tokens[idx[j]] for j in keep),
-        parents=tuple(new_index[parents[j]] if parents[j] >= 0 else -1 for j in keep),
-        mask=col(s.mask, 0),
-        logprobs=col(s.logprobs, 0.0),
-        versions=col(s.versions, -1),
-        episodes=col(s.episodes, -1),
-        model=s.model,
-        agents=s.agents,
-        episode_ids=s.episode_ids,
-        rewards=s.rewards,
-    )
+# Cutting samples to a budget lives in jet.timeline_split; re-exported here, where callers found it.
+from jet.timeline_split import split_sample, truncate_sample  # noqa: E402

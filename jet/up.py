@@ -70,31 +70,6 @@ def ensure_models(cfg: JetConfig) -> list[str]:
     return built
 
 
-def _progress_table(cfg: JetConfig, sup: Supervisor, feed, started: float):
-    from rich.table import Table
-
-    t = Table(title=f"jet up: run {cfg.run}  ({time.monotonic() - started:.0f}s)")
-    for col in ("role", "pid", "state", "restarts"):
-        t.add_column(col)
-    for p in sup.procs:
-        code = p.popen.poll() if p.popen else None
-        state = "running" if code is None else ("restarting" if p.restart_at else f"exit {code}")
-        t.add_row(p.child.name, str(p.popen.pid if p.popen else "-"), state, str(p.crashes))
-    s = Table(show_header=True)
-    for col in ("stream", "length", "pending", "lag"):
-        s.add_column(col)
-    for row in feed.last_report:
-        s.add_row(*map(str, row))
-    from rich.console import Group
-
-    lines = [t, s]
-    if feed.rewards:
-        from rich.text import Text
-
-        recent = feed.rewards[-64:]
-        lines.append(Text(f"trajectories: {feed.trajectories}  reward (last {len(recent)}): "
-                          f"{sum(recent) / len(recent):.3f}"))
-    return Group(*lines)
 
 
 @click.command("up")
@@ -107,7 +82,10 @@ def _progress_table(cfg: JetConfig, sup: Supervisor, feed, started: float):
 @click.option("--run-dir", default=".jet", show_default=True, help="Embedded server data.")
 @click.option("--dry-run", is_flag=True, help="Print the role commands and exit.")
 @click.option("--no-live", is_flag=True, help="Plain progress lines instead of a live table.")
-def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_run, no_live):
+@click.option("--dash-port", type=int, default=8265, show_default=True,
+              help="Port of the dashboard on loopback (0: any free one; taken: any free one).")
+@click.option("--no-dash", is_flag=True, help="Do not start the dashboard.")
+def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_run, no_live, dash_port, no_dash):
     """Run everything on this machine: embedded Redis, inference, env workers, trainer."""
     from jet.config import write_resolved
 
@@ -136,9 +114,10 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
 
     sup = Supervisor(lambda bank: roles, env={**os.environ, "JET_REDIS_URL": redis_url})
     feed = Feeder(cfg, redis_url)
-    code = 0
+    dash = None if no_dash else _start_dashboard(cfg, redis_url, run_path / "logs", dash_port)
+    code, started = 0, time.monotonic()
     try:
-        code = _run(cfg, sup, feed, episodes, no_live)
+        code = _run(cfg, sup, feed, episodes, no_live, dash.url if dash else None)
     finally:
         click.echo(feed.summary(), err=True)
         if sup.stops == 0:
@@ -146,10 +125,13 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
             sup.stop()
         sup.wait(timeout=60)
         feed.close()
+        if dash:
+            dash.stop()
         if server:
             server.stop()
         codes = {p.child.name: p.popen.returncode if p.popen else None for p in sup.procs}
         click.echo(f"stopped: {codes}; logs in {run_path / 'logs'}", err=True)
+        _summary(cfg, feed, started, dash.url if dash else None)
         if sup.failure:
             click.echo(f"jet up: {sup.failure}", err=True)
         if not code and (sup.failure or any(c not in (0, None) for c in codes.values())):
@@ -157,12 +139,42 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
     raise SystemExit(code)
 
 
-def _run(cfg, sup: Supervisor, feed, episodes: int | None, no_live: bool) -> int:
+def _start_dashboard(cfg: JetConfig, redis_url: str, log_dir: Path, port: int):
+    """The dashboard of this run (its URL printed), or None when it cannot start: it is only a viewer."""
+    from jet.dash import launch
+
+    try:
+        dash = launch.start(cfg.run, cfg.runs_dir, redis_url, log_dir, port=port)
+    except OSError as e:
+        click.echo(f"dashboard not started: {e}", err=True)
+        return None
+    click.echo(f"dashboard at {dash.url} (log {dash.log})", err=True)
+    return dash
+
+
+def _summary(cfg: JetConfig, feed, started: float, dash_url: str | None) -> None:
+    from jet.dash.training import Curves
+    from jet.progress import summary, write_plots
+
+    try:
+        plots = write_plots(cfg)
+    except Exception as e:  # noqa: BLE001 - a plot that fails must not hide the summary
+        click.echo(f"plots not written: {e}", err=True)
+        plots = []
+    click.echo(summary(cfg, Curves(cfg.runs_dir), (time.monotonic() - started) / 60, plots=plots,
+                       dash_url=dash_url), err=True)
+
+
+def _run(cfg, sup: Supervisor, feed, episodes: int | None, no_live: bool, dash_url: str | None = None) -> int:
     """Supervise and feed until the trainers are done (or a role failed, or a signal came)."""
+    from jet import progress
+    from jet.dash.training import Curves
+
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     sup.start()
     started = time.monotonic()
+    curves = Curves(cfg.runs_dir)
 
     def step() -> bool:
         feed.tick()
@@ -176,14 +188,15 @@ def _run(cfg, sup: Supervisor, feed, episodes: int | None, no_live: bool) -> int
             while not stop and step():
                 if time.monotonic() - last > 10:
                     last = time.monotonic()
-                    click.echo(feed.summary(), err=True)
+                    click.echo(progress.line(cfg, sup.procs, feed, curves, started), err=True)
                 time.sleep(1)
         else:
             from rich.live import Live
 
-            with Live(_progress_table(cfg, sup, feed, started), refresh_per_second=2) as live:
+            show = lambda: progress.view(cfg, sup.procs, feed, curves, started, dash_url)  # noqa: E731
+            with Live(show(), refresh_per_second=2) as live:
                 while not stop and step():
-                    live.update(_progress_table(cfg, sup, feed, started))
+                    live.update(show())
                     time.sleep(1)
     except KeyboardInterrupt:
         pass

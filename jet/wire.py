@@ -150,11 +150,19 @@ class GenRequest:
 class GenResult:
     """The answer to one GenRequest.
 
-    `logprobs[i]` is the logprob of `token_ids[i]` under the distribution it was
-    sampled from before top-p truncation: log_softmax(logits / temperature) over
-    the whole vocabulary (temperature 1 for greedy), the quantity the trainer
-    recomputes. A stop token that ended the completion is included. On error,
-    `finish_reason` is "error", `error` says why and the arrays are empty.
+    `logprobs[i]` is the logprob of the sampled token `token_ids[i]` under the
+    temperature-scaled, top-p renormalised distribution it was drawn from, in
+    float32 (`jet.sampling` defines it; the trainer recomputes exactly this):
+
+        log_softmax(logits / T)[t] - logsumexp(log_softmax(logits / T)[N])
+
+    where N is the top-p nucleus of softmax(logits / T) (the whole vocabulary
+    when top_p = 1, so then it is plain log_softmax(logits / T)[t]). This is
+    vLLM's `logprobs_mode="processed_logprobs"` of the sampled token. Greedy
+    requests (T = 0) report log_softmax(logits)[t]; their tokens are never
+    trained (`jet.timeline`). Top-k is not supported. A stop token that ended
+    the completion is included. On error, `finish_reason` is "error", `error`
+    says why and the arrays are empty.
     """
 
     KIND = "gen_result"
@@ -309,10 +317,12 @@ def _check_reward(reward: Any, kind: str) -> None:
     raise CodecError(f"{kind}: reward must be a number or a dict of agent name -> number, got {reward!r}")
 
 
-# Samples travel concatenated: one int32 array per column for all samples, cut
-# by the per-sample lengths in the metadata. Columns a sample can derive are
-# left out as `Sample.encode` does: the mask is `version >= 0`, parents of a
-# linear sample are i - 1, and a one-episode sample's episode column is mask - 1.
+# Samples travel concatenated: one int32 / float32 array per column for all
+# samples, cut by the per-sample lengths in the metadata. Columns a sample can
+# derive are left out as `Sample.encode` does: the mask is `version >= 0`,
+# parents of a linear sample are i - 1, a one-episode sample's episode column is
+# mask - 1, and the sampling columns (temperatures, top_ps) are 1.0 throughout
+# when absent (every token at the default settings, or an older sender).
 
 
 def _sample_meta(s: Sample) -> dict[str, Any]:
@@ -331,6 +341,9 @@ def _sample_arrays(samples: tuple[Sample, ...]) -> tuple[dict, dict]:
         ints["parents"] = [p for s in samples for p in s.parents]
     if any(len(s.episode_ids) > 1 for s in samples):
         ints["episodes"] = [e for s in samples for e in s.episodes]
+    if any(not s.default_sampling for s in samples):
+        floats["temperatures"] = [t for s in samples for t in s.temperatures]
+        floats["top_ps"] = [p for s in samples for p in s.top_ps]
     return ints, floats
 
 
@@ -341,7 +354,7 @@ def _samples(p: codec.Payload, model: str) -> tuple[Sample, ...]:
         if not isinstance(spec, dict) or not isinstance(spec.get("n"), int) or spec["n"] < 0:
             raise CodecError(f"traj: malformed sample entry {str(spec)[:80]}")
         total += spec["n"]
-    for name in ("tokens", "versions", "logprobs", "parents", "episodes"):
+    for name in ("tokens", "versions", "logprobs", "parents", "episodes", "temperatures", "top_ps"):
         required = name in ("tokens", "versions", "logprobs")
         if (required or name in p.arrays) and len(p.arrays.get(name, ())) != total:
             got = len(p.arrays.get(name, ()))
@@ -363,8 +376,10 @@ def _one_sample(p: codec.Payload, spec: dict, model: str, start: int, end: int) 
     mask = tuple(int(v >= 0) for v in versions)
     parents = tuple(a["parents"][start:end]) if "parents" in a else tuple(range(-1, end - start - 1))
     episodes = tuple(a["episodes"][start:end]) if "episodes" in a else tuple(x - 1 for x in mask)
+    temps = tuple(a["temperatures"][start:end]) if "temperatures" in a else ()
+    top_ps = tuple(a["top_ps"][start:end]) if "top_ps" in a else ()
     return Sample(tokens=tuple(a["tokens"][start:end]), parents=parents, mask=mask,
                   logprobs=tuple(a["logprobs"][start:end]), versions=versions, episodes=episodes,
                   model=model, agents=tuple(str(x) for x in spec["agents"]),
                   episode_ids=tuple(str(x) for x in spec["episode_ids"]),
-                  rewards=tuple(float(r) for r in spec["rewards"]))
+                  rewards=tuple(float(r) for r in spec["rewards"]), temperatures=temps, top_ps=top_ps)

@@ -73,9 +73,11 @@ Output = tuple[str, Mapping[bytes, bytes]]  # (stream key, entry fields)
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """Ack + idempotency marker + these outputs, atomically (outputs to `dead` count as dead letters)."""
+    """Ack + idempotency marker + these outputs, atomically (outputs to `dead` count as dead letters);
+    `counter`, when set, is bumped in stats in the same step."""
 
     outputs: Sequence[Output] = ()
+    counter: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +310,7 @@ class Consumer:
         base = 4 + len(markers)  # KEYS is 1-based: input, stats, dead, markers..., then outputs
         for d, outcome in items:
             if isinstance(outcome, Commit):
-                action, counter, outputs = b"c", b"", outcome.outputs
+                action, counter, outputs = b"c", outcome.counter.encode(), outcome.outputs
             elif isinstance(outcome, Dead):
                 action, counter = b"d", b""
                 outputs = [(self.keys.dead, self._dead_fields(d, outcome.reason, last_errors.get(d.entry_id)))]

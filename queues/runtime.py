@@ -2,7 +2,8 @@
 
 What it is: `Runtime` owns a role's connections, its `Consumer`, the lease
 keeper, the reaper (and safe trimming of the stream it reads), reconnects with
-backoff, NOGROUP recovery and the drain on `stop`. A role hands it a handler and
+backoff, NOGROUP recovery, the drain on `stop` and, given a `role`, the worker's
+heartbeat in the registry `jet dash` shows (jet.queues.registry). A role hands it a handler and
 says how much concurrency it wants:
 
 - `serve_each(handler, stop, concurrency=N)`: up to N handler calls in flight,
@@ -62,10 +63,12 @@ class Runtime:
 
     def __init__(self, url: str, keys: Keys, stream: str, group: str, name: str,
                  settings: Settings | None = None, *, start: str = "0", stop: anyio.Event | None = None,
-                 best_effort: tuple[str, ...] = BEST_EFFORT_GROUPS):
+                 best_effort: tuple[str, ...] = BEST_EFFORT_GROUPS, role: str | None = None,
+                 beat: Callable[[], dict] | None = None):
         self.url, self.keys, self.stream, self.group, self.name = url, keys, stream, group, name
         self.settings = settings or Settings()
         self.start, self.stop, self.best_effort = start, stop, best_effort
+        self.role, self.beat = role, beat  # with `role`: heartbeats in the worker registry (jet dash)
         self.c: Consumer | None = None
         self.reaper: Reaper | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -105,6 +108,8 @@ class Runtime:
             stack.push_async_callback(self._close)
             tg.start_soon(self._lease_keeper)
             tg.start_soon(self._maintain)
+            if self.role:
+                tg.start_soon(self._heartbeat)
         except BaseException:
             await stack.aclose()
             raise
@@ -292,6 +297,19 @@ class Runtime:
                     continue
                 if lost:
                     log.warning("lease lost on %d entries (taken over after a stall)", len(lost))
+
+    async def _heartbeat(self) -> None:
+        """Beat in the worker registry (role, host, what `beat()` adds) until the runtime closes."""
+        from jet.queues.registry import EVERY_S, beat
+
+        while not self._done.is_set():
+            try:
+                await beat(self.c.r, self.keys, self.name, self.role, url=self.url,
+                           stream=self.keys.short(self.stream), **(self.beat() if self.beat else {}))
+            except QueueError as e:
+                log.debug("heartbeat of %s skipped: %s", self.name, e)
+            with anyio.move_on_after(EVERY_S):
+                await self._done.wait()
 
     async def _maintain(self) -> None:
         """Reclaim idle entries of crashed consumers, and trim what every group consumed."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 #   entry_id, action, counter, n_outputs, then per output:
 #     key_index, maxlen, mode, n_fields, field, value, ...
 #   action: 'c' commit (marker + outputs), 'd' dead-lettered (its one output is the dead letter),
-#           'x' dropped (acked without marker or outputs; `counter`, when not '', is bumped in stats)
+#           'x' dropped (acked without marker or outputs)
+#   counter: a stats field bumped when the input's effects happen ('' = none)
 #   mode:   'b' bounded: written only while the stream is below maxlen (else the call stops: backpressure)
 #           'c' capped: XADD MAXLEN ~ maxlen (streams no group reads: older entries give way)
 #           'e' must exist: XADD NOMKSTREAM (a reply to a client that is gone is dropped and counted)
@@ -54,7 +55,7 @@ for i = 1, n do
   if fresh and action == 'c' then
     fresh = redis.call('SET', KEYS[3 + i], '1', 'NX', 'EX', ttl) ~= false
   end
-  if fresh and action == 'x' and counter ~= '' then
+  if fresh and counter ~= '' then
     redis.call('HINCRBY', KEYS[2], counter, 1)
   end
   o = first

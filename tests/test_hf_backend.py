@@ -40,13 +40,32 @@ def backend(model_dir):
     return HFBackend(model_dir)
 
 
-def reference_logprobs(model, prompt, completion, temperature):
-    """Full forward of prompt + completion: no cache, no padding."""
+def naive_nucleus(probs: torch.Tensor, top_p: float) -> list[int]:
+    """The ids a top-p sampler keeps, one by one: most probable first until the mass before reaches top_p,
+    then every id tied with the last one kept."""
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(probs[i])
+    floor = float(probs[kept[-1]])
+    return [i for i in range(len(probs)) if float(probs[i]) >= floor]
+
+
+def reference_logprobs(model, prompt, completion, temperature, top_p=1.0):
+    """Full forward of prompt + completion (no cache, no padding); the sampled distribution built by hand."""
     seq = torch.tensor([prompt + completion])
     with torch.no_grad():
         logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logp.gather(1, torch.tensor(completion)[:, None])[:, 0], logits
+    out = logp.gather(1, torch.tensor(completion)[:, None])[:, 0]
+    if temperature and top_p < 1:
+        probs = logp.double().exp()
+        mass = torch.tensor([float(probs[k, naive_nucleus(probs[k], top_p)].sum()) for k in range(len(completion))])
+        out = out - mass.log().float()
+    return out, logits
 
 
 def test_logprobs_equal_a_full_forward_pass(backend):
@@ -54,7 +73,7 @@ def test_logprobs_equal_a_full_forward_pass(backend):
     for prompt, sp, out in zip(PROMPTS, PARAMS, outs):
         assert out.finish_reason in ("stop", "length") and out.error is None and out.version == 0
         assert len(out.token_ids) == len(out.logprobs) >= 1
-        ref, logits = reference_logprobs(backend.model, prompt, out.token_ids, sp.temperature)
+        ref, logits = reference_logprobs(backend.model, prompt, out.token_ids, sp.temperature, sp.top_p)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
         if sp.temperature == 0:  # greedy: argmax, logprob under temperature 1
             assert out.token_ids == logits.argmax(-1).tolist()

@@ -1,7 +1,9 @@
 """Merged timelines train exactly like unmerged calls, on a real (tiny) transformer.
 
 Episodes are sampled from a randomly initialised Llama, token-in-token-out,
-recording each token's behaviour logprob. They cover a multi-turn tool loop, a
+recording each token's behaviour logprob; the calls cycle through sampling
+settings (temperature 0.6 / 1.0 / 1.4, top_p 1.0 / 0.9, and one greedy call),
+so the sampling columns travel through every merge mode and the packing. They cover a multi-turn tool loop, a
 completion cut by max_tokens and then re-rendered differently, parallel
 sub-agents branching from one context, a second agent on the same model and a
 GRPO group sharing its task prompt. For `none`, `exact` and `tree` samples we
@@ -18,11 +20,13 @@ from collections import defaultdict
 import pytest
 import torch
 
+from jet import sampling
 from jet.timeline import Call, Episode, merge_episodes
 from jet.trainer.losses import policy_gradient_loss
 from jet.trainer.packing import Row, pack, row_logprobs
 
 VOCAB, EOS, BUDGET = 96, 95, 80
+SETTINGS = [(0.6, 1.0), (1.0, 0.9), (1.4, 1.0), (0.6, 0.9), (1.0, 1.0), (1.4, 0.9)]  # (temperature, top_p)
 
 
 def tiny_llama(attn: str) -> torch.nn.Module:
@@ -48,22 +52,29 @@ class Sampler:
     def __init__(self, model: torch.nn.Module, seed: int = 0):
         self.model = model
         self.gen = torch.Generator().manual_seed(seed)
+        self.n = 0  # calls so far: call n samples at SETTINGS[n % 6]
 
     def tokens(self, n: int) -> list[int]:
         return torch.randint(0, EOS, (n,), generator=self.gen).tolist()
 
     @torch.no_grad()
-    def call(self, prompt: list[int], max_tokens: int, agent: str = "main", version: int = 0) -> Call:
+    def call(self, prompt: list[int], max_tokens: int, agent: str = "main", version: int = 0,
+             greedy: bool = False) -> Call:
+        temperature, top_p = (0.0, 1.0) if greedy else SETTINGS[self.n % len(SETTINGS)]
+        self.n += not greedy
+        t, p = torch.tensor([temperature or 1.0]), torch.tensor([top_p])
         ids, lps = list(prompt), []
         for _ in range(max_tokens):
-            logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
-            tok = int(torch.multinomial(logp.exp(), 1, generator=self.gen))
+            logp = sampling.tempered_logprobs(self.model(input_ids=torch.tensor([ids])).logits[:, -1], t)
+            keep = sampling.nucleus_mask(logp, p)
+            probs = logp.exp().masked_fill(~keep, 0.0)[0]
+            tok = int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=self.gen))
             ids.append(tok)
-            lps.append(float(logp[tok]))
+            lps.append(float(sampling.renormalised(logp, torch.tensor([tok]), p, keep)[0]))
             if tok == EOS:
                 break
         finish = "stop" if ids[-1] == EOS else "length"
-        return Call(prompt, ids[len(prompt) :], lps, version, "tiny", agent, finish)
+        return Call(prompt, ids[len(prompt) :], lps, version, "tiny", agent, finish, temperature, top_p)
 
 
 def episodes(s: Sampler) -> list[Episode]:
@@ -80,7 +91,8 @@ def episodes(s: Sampler) -> list[Episode]:
     base = list(loop[-1].ids)
     loop += [s.call(base + s.tokens(3), 5, agent="sub"), s.call(base + s.tokens(3), 5, agent="sub")]
     critic = [s.call(s.tokens(7) + list(loop[0].completion_ids), 5, agent="critic")]
-    critic.append(s.call(list(critic[0].ids) + s.tokens(3), 5, agent="critic"))
+    critic.append(s.call(list(critic[0].ids) + s.tokens(3), 4, agent="critic", greedy=True))  # context only
+    critic.append(s.call(list(critic[1].ids) + s.tokens(3), 5, agent="critic"))
     # A GRPO group sharing a task prompt.
     task = system + s.tokens(10)
     group = [Episode((s.call(task, 6, version=3),), f"g{i}", float(i) - 1.0) for i in range(3)]
@@ -122,10 +134,12 @@ def run(model: torch.nn.Module, rows: list[Row], n_trained: int) -> tuple[dict, 
 def test_exact_and_tree_train_like_none(attn):
     model = tiny_llama(attn)
     eps = episodes(Sampler(model))
-    n_trained = sum(len(c.completion_ids) for e in eps for c in e.calls)
+    n_trained = sum(len(c.completion_ids) for e in eps for c in e.calls if c.temperature > 0)
     results, sizes = {}, {}
     for mode in ("none", "exact", "tree"):
         samples = merge_episodes(eps, mode)
+        seen = {(t, p) for s in samples for t, p, m in zip(s.temperatures, s.top_ps, s.mask) if m}
+        assert len(seen) == len(SETTINGS), "every sampling setting is trained, the greedy call is not"
         rows = pack(samples, BUDGET)
         sizes[mode] = (len(samples), max(map(len, samples)), sum(r.n_tokens for r in rows))
         results[mode] = run(model, rows, n_trained)

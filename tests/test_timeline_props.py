@@ -5,7 +5,7 @@ common, and mix every shape the merger must survive: fresh prompts, prompts
 that extend an earlier call, branches cut anywhere into an earlier context
 (a truncated completion re-rendered differently, a rewritten history),
 repeated calls that sample the very same tokens, empty completions, two
-models and two agents.
+models, two agents and mixed sampling settings (greedy calls among them).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jet.timeline import MODES, Call, Episode, Sample, merge_calls, merge_episodes, split_sample
+from jet.timeline import MODES, Call, Episode, Sample, merge_calls, merge_episodes, split_sample, truncate_sample
 from jet.trainer.packing import pack
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -48,6 +48,8 @@ def call_lists(draw, max_calls: int = 10) -> list[Call]:
                 model=draw(st.sampled_from(["m1", "m1", "m2"])),
                 agent=draw(st.sampled_from(["a", "b"])),
                 finish_reason=draw(st.sampled_from(["stop", "length"])),
+                temperature=draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
+                top_p=draw(st.sampled_from([1.0, 0.75])),
             )
         )
     return calls
@@ -63,12 +65,15 @@ def context(sample: Sample, i: int) -> tuple[int, ...]:
 
 
 def expected_tokens(episodes: list[Episode]) -> Counter:
-    """(model, context, token, logprob, version, episode id) of every generated token."""
+    """(model, context, token, logprob, version, episode id, temperature, top_p) of every sampled token."""
     out: Counter = Counter()
     for e in episodes:
         for c in e.calls:
+            if c.temperature == 0:  # greedy: context only
+                continue
             for k, (t, lp) in enumerate(zip(c.completion_ids, c.completion_logprobs)):
-                out[(c.model, c.prompt_ids + c.completion_ids[:k], t, lp, c.version, e.episode_id)] += 1
+                out[(c.model, c.prompt_ids + c.completion_ids[:k], t, lp, c.version, e.episode_id,
+                     c.temperature, c.top_p)] += 1
     return out
 
 
@@ -78,7 +83,8 @@ def trained_tokens(samples: list[Sample]) -> Counter:
         for i, m in enumerate(s.mask):
             if m:
                 episode = s.episode_ids[s.episodes[i]]
-                out[(s.model, context(s, i), s.tokens[i], s.logprobs[i], s.versions[i], episode)] += 1
+                out[(s.model, context(s, i), s.tokens[i], s.logprobs[i], s.versions[i], episode,
+                     s.temperatures[i], s.top_ps[i])] += 1
     return out
 
 
@@ -88,6 +94,7 @@ def check_samples(samples: list[Sample]) -> None:
         for i in range(len(s)):
             if not s.mask[i]:
                 assert (s.logprobs[i], s.versions[i], s.episodes[i]) == (0.0, -1, -1)
+                assert (s.temperatures[i], s.top_ps[i]) == (1.0, 1.0)
             if i not in has_child:
                 assert s.mask[i] == 1, "an untrained leaf was kept"
         assert s.n_trained > 0
@@ -101,6 +108,7 @@ def test_every_generated_token_trained_exactly_once_in_its_context(calls, mode):
     assert trained_tokens(samples) == expected_tokens([Episode(tuple(calls), "e")])
     check_samples(samples)
     agent_of = {lp: c.agent for c in calls for lp in c.completion_logprobs}  # logprobs are unique here
+    assert all(t > 0 for s in samples for t, m in zip(s.temperatures, s.mask) if m), "greedy is never trained"
     for s in samples:
         assert set(s.agents) == {agent_of[lp] for lp, m in zip(s.logprobs, s.mask) if m}
         assert s.rewards == (1.0,)
@@ -153,6 +161,20 @@ def test_split_keeps_every_trained_token_and_its_context(calls, budget):
         assert all(len(p) <= budget for p in pieces)
         assert trained_tokens(pieces) == trained_tokens([s])
         check_samples(pieces)
+
+
+@SETTINGS
+@given(call_lists(), st.sampled_from(MODES), st.integers(1, 12))
+def test_truncation_keeps_exactly_the_trained_tokens_whose_context_fits(calls, mode, budget):
+    for s in merge_calls(calls, mode):
+        cut = truncate_sample(s, budget)
+        fits = Counter({k: n for k, n in trained_tokens([s]).items() if len(k[1]) < budget})
+        if cut is None:
+            assert not fits
+            continue
+        assert max(cut.positions) < budget and trained_tokens([cut]) == fits
+        check_samples([cut])
+        assert trained_tokens(split_sample(cut, budget)) == fits, "a truncated sample always splits"
 
 
 def naive_ancestor_mask(parents: list[int]) -> torch.Tensor:

@@ -50,8 +50,10 @@ def init_distributed(device: str) -> Comm:
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not torch.distributed.is_initialized():
+        if backend == "nccl":  # collectives (and nccl's own set-up) on this rank's GPU
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed(dist_backend=backend, timeout=DIST_TIMEOUT)
-    return Comm(torch.distributed.get_rank(), torch.distributed.get_world_size())
+    return Comm.of_process_group()
 
 
 def ds_config(cfg: TrainerConfig, world: int) -> dict:
@@ -61,6 +63,7 @@ def ds_config(cfg: TrainerConfig, world: int) -> dict:
         "train_batch_size": world,
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 62,
         "wall_clock_breakdown": False,

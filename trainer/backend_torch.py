@@ -1,7 +1,8 @@
 """The `torch` training backend: one process, one device, plain AdamW.
 
 What it is: the policy (a transformers causal LM loaded from the model
-directory, float32, eval mode so dropout is off as on the inference side),
+directory, float32, eval mode so dropout is off as on the inference side;
+`trainer.dtype: bfloat16` autocasts its forward/backward to bfloat16),
 an optional frozen reference copy for the KL term, AdamW, and:
 `train_step(rows, inputs, lr)` (gradient accumulation over the micro-batches,
 global-norm clipping, one optimiser step), `full_module()` (the module with
@@ -39,6 +40,12 @@ def load_policy(model_path: str, device: str) -> torch.nn.Module:
     return model.to(device).eval()
 
 
+def autocast(device: str | torch.device, dtype: str):
+    """bfloat16 autocast on `device` when `dtype` is 'bfloat16' (float32 weights and optimiser), else nothing."""
+    kind = torch.device(device).type
+    return torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
@@ -48,6 +55,7 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 class TorchBackend:
     rank, world = 0, 1
+    retryable = True  # a failed train_step leaves nothing behind: the next one zeroes the gradients first
 
     def __init__(self, model_path: str, cfg: TrainerConfig, device: str | None = None):
         self.cfg = cfg
@@ -61,7 +69,9 @@ class TorchBackend:
                    ) -> StepStats:
         """One optimiser step over all of `rows` (one process has no padding; `pad_row` is unused)."""
         self.optimizer.zero_grad(set_to_none=True)
-        stats = accumulate(self.model, rows, inputs, self.cfg, lambda loss, _last: loss.backward(), ref_model=self.ref)
+        with autocast(self.device, self.cfg.dtype):
+            stats = accumulate(self.model, rows, inputs, self.cfg, lambda loss, _last: loss.backward(),
+                               ref_model=self.ref)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         optim.set_lr(self.optimizer, lr)

@@ -2,40 +2,81 @@
 
 Layout (under `runs/<run>/trainer/<model>/`):
 
-    checkpoints/step-00000040/   backend files (model, optimiser, RNG) + state.json
-    ledger/step-00000040.json    the entries consumed between the previous checkpoint and this one
+    checkpoints/step-00000040/     backend files (model, optimiser, RNG) + state.json
+    checkpoints/step-00000040-1/   a second checkpoint at step 40 (entries decided without a new step)
+    ledger/step-00000040.json      the entries consumed between the previous checkpoint and this one
+    ledger/step-00000040-1.json
 
 What it is: `Checkpoints.write(step, state, save)` has every rank's backend
-save into `checkpoints/.tmp-step-N/`, then rank 0 writes `state.json`, fsyncs
-every file, renames the folder to `step-N` and fsyncs the parent: a
+save into `checkpoints/.tmp-<name>/`, then rank 0 writes `state.json`, fsyncs
+every file, renames the folder to `<name>` and fsyncs the parent: a
 checkpoint either exists whole or not at all. Then it copies the consumed
 list to the ledger and deletes all but the newest `keep` checkpoints.
 `state.json` holds the step, the weight version, counters, and `consumed`:
 the stream entries (entry id, message id, outcome, step) whose fate this
 checkpoint makes durable; the trainer acks them only after the rename.
 
+The ledger is append-only per lineage: every write gets a name no earlier
+write had (`step-N`, then `step-N-1`, `step-N-2`, ... when step N is
+checkpointed again, e.g. at a stop that decided entries without a new step),
+and nothing renames over or deletes a whole checkpoint's folder or ledger
+file except pruning of checkpoint folders older than the newest `keep`
+(their ledger files stay). So a rewrite of a step can only add decisions
+(issue 11, item 1: a rewrite used to replace `ledger/step-N.json` and
+`state.json`, losing entries already acked).
+
 `Checkpoints.resume()` finds the newest whole checkpoint, deletes leftovers
 (temporary folders, ledger files past it) and makes sure its own ledger file
 exists (a crash can fall between the rename and the ledger copy). The
 ledger's files, concatenated, list every entry the surviving lineage of the
-model consumed, each exactly once: tests check that against the stream.
+model consumed, each exactly once, and every acked entry is among them:
+tests SIGKILL the trainer at each point of this protocol (`die_at`) and check
+that against the stream.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Callable
 
 from jet.trainer.weights import fsync_path
 
 STATE_FILE = "state.json"
+DIE_AT_ENV = "JET_TRAINER_DIE_AT"  # test-only: "<point>[@n]" SIGKILLs this process the n-th time it gets there
+_NAME = re.compile(r"step-(\d{8})(?:-(\d+))?")
+_reached: dict[str, int] = {}
 
 
-def _step_name(step: int) -> str:
-    return f"step-{step:08d}"
+def die_at(point: str) -> None:
+    """SIGKILL this process here when $JET_TRAINER_DIE_AT names `point` (and this is its n-th visit).
+
+    The fault-injection hook of the checkpoint tests: a real kill at a named
+    point of the protocol, in a real trainer process. Unset, it does nothing.
+    """
+    want = os.environ.get(DIE_AT_ENV)
+    if not want:
+        return
+    name, _, nth = want.partition("@")
+    if name != point:
+        return
+    _reached[point] = _reached.get(point, 0) + 1
+    if _reached[point] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _name(step: int, k: int = 0) -> str:
+    return f"step-{step:08d}" + (f"-{k}" if k else "")
+
+
+def _key(name: str) -> tuple[int, int] | None:
+    """(step, rewrite number) of a checkpoint or ledger name; None for anything else."""
+    m = _NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -53,32 +94,44 @@ class Checkpoints:
         self.ledger = self.root / "ledger"
         self.keep, self.barrier, self.rank = keep, barrier, rank
 
-    def steps(self) -> list[int]:
+    def whole(self) -> list[tuple[int, int]]:
+        """(step, rewrite number) of every whole checkpoint, oldest first."""
         if not self.dir.is_dir():
             return []
-        return sorted(int(d.name[5:]) for d in self.dir.glob("step-*")
-                      if d.name[5:].isdigit() and (d / STATE_FILE).is_file())
+        keys = (_key(d.name) for d in self.dir.iterdir() if (d / STATE_FILE).is_file())
+        return sorted(k for k in keys if k is not None)
 
-    def path(self, step: int) -> Path:
-        return self.dir / _step_name(step)
+    def steps(self) -> list[int]:
+        """The steps that have a whole checkpoint, oldest first."""
+        return sorted({step for step, _ in self.whole()})
+
+    def path(self, step: int, k: int | None = None) -> Path:
+        """The folder of step `step`'s checkpoint `k` (default: its newest)."""
+        if k is None:
+            k = max((r for s, r in self.whole() if s == step), default=0)
+        return self.dir / _name(step, k)
 
     def resume(self) -> tuple[Path, dict] | None:
         """The newest whole checkpoint and its state (None if there is none); rank 0 tidies up."""
-        steps = self.steps()
+        whole = self.whole()
         if self.rank == 0:
-            self._tidy(steps[-1] if steps else -1)
+            self._tidy(whole[-1] if whole else (-1, 0))
         self.barrier()
-        if not steps:
+        if not whole:
             return None
-        folder = self.path(steps[-1])
+        folder = self.dir / _name(*whole[-1])
         state = json.loads((folder / STATE_FILE).read_text())
-        if self.rank == 0 and not (self.ledger / f"{_step_name(steps[-1])}.json").is_file():
-            write_json(self.ledger / f"{_step_name(steps[-1])}.json", state["consumed"])
+        if self.rank == 0 and not (self.ledger / f"{folder.name}.json").is_file():
+            self.ledger.mkdir(parents=True, exist_ok=True)  # the first checkpoint's crash can precede the folder
+            write_json(self.ledger / f"{folder.name}.json", state["consumed"])
+            fsync_path(self.ledger)
         return folder, state
 
     def write(self, step: int, state: dict, save: Callable[[Path], None]) -> Path:
         """Every rank calls this: `save(folder)` writes the backend's files; rank 0 finishes the folder."""
-        tmp, final = self.dir / f".tmp-{_step_name(step)}", self.path(step)
+        name = _name(step, self._next_rewrite(step))
+        tmp, final = self.dir / f".tmp-{name}", self.dir / name
+        die_at("checkpoint:begin")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -86,29 +139,42 @@ class Checkpoints:
         save(tmp)
         self.barrier()
         if self.rank == 0:
+            die_at("checkpoint:saved")
             write_json(tmp / STATE_FILE, {**state, "step": step})
             for f in sorted(tmp.rglob("*")):
                 fsync_path(f)
-            shutil.rmtree(final, ignore_errors=True)  # a leftover of a lost lineage at the same step
+            die_at("checkpoint:state")
             os.replace(tmp, final)
             fsync_path(self.dir)
+            die_at("checkpoint:renamed")
             self.ledger.mkdir(parents=True, exist_ok=True)
-            write_json(self.ledger / f"{_step_name(step)}.json", state["consumed"])
-            for old in self.steps()[:-self.keep]:
-                shutil.rmtree(self.path(old), ignore_errors=True)
+            write_json(self.ledger / f"{name}.json", state["consumed"])
+            fsync_path(self.ledger)
+            die_at("checkpoint:ledger")
+            for old in self.whole()[:-self.keep]:
+                shutil.rmtree(self.dir / _name(*old), ignore_errors=True)
         self.barrier()
         return final
 
     def consumed(self) -> list[dict]:
         """Every ledger record of the surviving lineage, oldest first."""
+        files = [(k, f) for f in self.ledger.glob("step-*.json") if (k := _key(f.stem)) is not None]
         out: list[dict] = []
-        for f in sorted(self.ledger.glob("step-*.json")):
+        for _, f in sorted(files):
             out += json.loads(f.read_text())
         return out
 
-    def _tidy(self, newest: int) -> None:
+    def _next_rewrite(self, step: int) -> int:
+        """The first rewrite number of `step` no checkpoint folder or ledger file has used."""
+        names = [d.name for d in self.dir.iterdir()] if self.dir.is_dir() else []
+        names += [f.stem for f in self.ledger.glob("step-*.json")] if self.ledger.is_dir() else []
+        used = [key[1] for n in names if (key := _key(n)) is not None and key[0] == step]
+        return max(used) + 1 if used else 0
+
+    def _tidy(self, newest: tuple[int, int]) -> None:
         for tmp in self.dir.glob(".tmp-*") if self.dir.is_dir() else ():
             shutil.rmtree(tmp, ignore_errors=True)
         for f in self.ledger.glob("step-*.json") if self.ledger.is_dir() else ():
-            if int(f.stem[5:]) > newest:
+            key = _key(f.stem)
+            if key is not None and key > newest:
                 f.unlink()

@@ -5,10 +5,19 @@ inputs)`, by which rank 0 broadcasts what a step does (`Plan`) and the step's
 packed rows and per-entry tables as raw tensors (no pickle), and `mine(rows)`,
 which splits the rows across ranks by token count (largest first, onto the
 least loaded rank) and pads every rank to the same number of micro-batches
-(`None` = a padding micro-batch, see `jet.trainer.step`). With one process
-(the torch backend) all of it is a no-op.
+(`None` = a padding micro-batch, see `jet.trainer.step`). Without a process
+group (the torch backend) all of it is a no-op.
 
-What it is not: a launcher (`jet.trainer.launch` starts the processes) or a
+Devices: every collective runs on the device its process group's backend
+takes: nccl only moves CUDA tensors (it rejects CPU ones), gloo CPU ones. So
+`Comm.device` is `cuda:<local rank>` under nccl and the CPU under gloo; each
+collective copies its tensor there and hands the result back on the CPU,
+where the loop keeps rows and tables (they move to the model's device in
+`jet.trainer.packing.row_logprobs`). Collectives run whenever a process group
+exists, one rank included, so a one-process DeepSpeed run (the GPU check)
+exercises the same code as many.
+
+What it is not: a launcher (`jet train` starts the processes) or a
 reader of Redis: only rank 0 talks to the queues.
 """
 
@@ -23,7 +32,7 @@ from jet.trainer.batch import StepInputs
 from jet.trainer.packing import Row
 
 _INT_COLUMNS = ("input_ids", "position_ids", "parent_index", "subtree_end", "versions", "seq")
-_FLOAT_COLUMNS = ("loss_mask", "behaviour_logprobs", "rewards")
+_FLOAT_COLUMNS = ("loss_mask", "behaviour_logprobs", "temperatures", "top_ps", "rewards")
 
 
 @dataclass(slots=True)
@@ -46,46 +55,62 @@ class Plan:
         return cls(bool(v[0]), bool(v[1]), bool(v[2]), int(v[3]), int(v[4]), float(v[5]))
 
 
+def collective_device(backend: str | None) -> torch.device:
+    """Where a process group of `backend` wants its tensors: this rank's GPU for nccl, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 class Comm:
-    def __init__(self, rank: int = 0, world: int = 1):
+    def __init__(self, rank: int = 0, world: int = 1, device: torch.device | str = "cpu", grouped: bool = False):
         self.rank, self.world = rank, world
+        self.device = torch.device(device)  # where collectives run (see the module docstring)
+        self.grouped = grouped  # a process group exists: collectives run, even with one rank
 
     @classmethod
     def from_env(cls) -> "Comm":
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+    @classmethod
+    def of_process_group(cls) -> "Comm":
+        """The Comm of the initialised default process group, on its backend's device."""
+        dist = torch.distributed
+        return cls(dist.get_rank(), dist.get_world_size(), collective_device(dist.get_backend()), grouped=True)
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
     def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
+        if self.grouped:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            torch.distributed.barrier(device_ids=ids)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            t = t.clone()
-            torch.distributed.all_reduce(t)
-        return t
+        if not self.grouped:
+            return t
+        t = t.to(self.device, copy=True)
+        torch.distributed.all_reduce(t)
+        return t.cpu()
 
     def max(self, x: float) -> float:
-        if self.world == 1:
+        if not self.grouped:
             return x
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return float(t[0])
 
     def share_plan(self, plan: Plan | None) -> Plan:
-        if self.world == 1:
+        if not self.grouped:
             assert plan is not None
             return plan
-        t = plan.to_tensor() if self.leader else Plan().to_tensor()
-        torch.distributed.broadcast(t, 0)
+        t = self._bcast(plan.to_tensor() if self.leader else Plan().to_tensor())
         return Plan.from_tensor(t)
 
     def share(self, rows: list[Row] | None, inputs: StepInputs | None) -> tuple[list[Row], StepInputs]:
         """Rank 0's rows and tables, on every rank."""
-        if self.world == 1:
+        if not self.grouped:
             assert rows is not None and inputs is not None
             return rows, inputs
         if self.leader:
@@ -119,9 +144,10 @@ class Comm:
         return parts[self.rank] + [None] * (longest - len(parts[self.rank]))
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
+        """Rank 0's `t` on every rank, on the CPU (sent on the group's device)."""
+        t = t.to(self.device).contiguous()
         torch.distributed.broadcast(t, 0)
-        return t
+        return t.cpu()
 
 
 def _rows(meta: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> list[Row]:

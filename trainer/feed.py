@@ -62,6 +62,7 @@ class Feed:
         self.weights_maxlen = weights_maxlen
         self.stop = stop  # polled while connecting: a trainer stuck waiting for Redis still obeys SIGTERM
         self.held: dict[str, Delivery] = {}  # handed out, not yet acked
+        self.status: dict = {"model": model}  # what the trainer's heartbeat says (the loop updates it)
         self._portal_cm = None
 
     @classmethod
@@ -83,7 +84,7 @@ class Feed:
                 self._watcher = threading.Thread(target=self._watch_stop, args=(stop_event,), daemon=True)
                 self._watcher.start()
             self.rt = Runtime(self.url, self.keys, self.keys.traj(self.model), GROUP_TRAINER, self.name,
-                              self.settings, stop=stop_event)
+                              self.settings, stop=stop_event, role="trainer", beat=lambda: self.status)
             self._rt_cm = self.portal.wrap_async_context_manager(self.rt)
             self._rt_cm.__enter__()
             self.producer = Producer(self.rt.client, self.url, self.keys, self.keys.weights(self.model),

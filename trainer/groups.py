@@ -15,7 +15,15 @@ one with fewer is dropped (counted `small_group`). A member is left out as
 stale when `version - oldest token version > max_staleness`, checked when it
 arrives and again when its group is handed out (the version moves on), so
 `max_staleness = 0` admits only trajectories generated entirely by the
-current version: the synchronous barrier.
+current version: the synchronous barrier. Versions are compared through
+`position` (default: the version itself); the trainer passes its lineage's
+ordinals (`jet.trainer.lineage`) and its current version's ordinal, so a
+resume after a crash does not age the backlog.
+
+A member the trainer will never train (`jet.trainer.screen`: poison,
+dead-lettered by the intake, or evicted from a taken group after a failed
+step) leaves its slot done without an entry (`reject`, `evict`): the group
+completes without waiting for it, and it is counted `poison`.
 
 Every entry gets exactly one outcome (`OUTCOMES`) and is handed back exactly
 once, either in a taken group (`Group.entries`) or by `pop_decided`; the
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from jet.wire import Trajectory
 
@@ -70,10 +79,12 @@ class Group:
         return [self.members[i].traj for i in sorted(self.members)]
 
 
-def staleness(traj: Trajectory, version: int) -> int:
-    """`version` minus the oldest weight version of any trained token (0 without trained tokens)."""
-    oldest = min((v for s in traj.samples for v in s.versions if v >= 0), default=version)
-    return version - oldest
+def staleness(traj: Trajectory, version: int, position: Callable[[int], int] | None = None) -> int:
+    """`version` minus the oldest position of any trained token's weight version (0 without trained tokens)."""
+    versions = {v for s in traj.samples for v in s.versions if v >= 0}
+    if position is not None:
+        versions = {position(v) for v in versions}
+    return version - min(versions, default=version)
 
 
 def malformed(traj: Trajectory) -> str | None:
@@ -88,8 +99,10 @@ def malformed(traj: Trajectory) -> str | None:
 
 
 class Assembler:
-    def __init__(self, *, min_size: int, timeout_s: float, max_staleness: int, remember: int = 100_000):
+    def __init__(self, *, min_size: int, timeout_s: float, max_staleness: int, remember: int = 100_000,
+                 position: Callable[[int], int] | None = None):
         self.min_size, self.timeout_s, self.max_staleness = min_size, timeout_s, max_staleness
+        self.position = position  # version -> position along the lineage (None: the version itself)
         self.groups: dict[tuple[str, str], Group] = {}
         self.finished: OrderedDict[tuple[str, str], None] = OrderedDict()  # recently done groups
         self.remember = remember
@@ -113,7 +126,7 @@ class Assembler:
             self._set(entry, "retried" if t.retry else "failed")
         elif malformed(t):
             self._set(entry, "malformed")
-        elif staleness(t, version) > self.max_staleness:
+        elif staleness(t, version, self.position) > self.max_staleness:
             self._set(entry, "stale")
         else:
             group.members[t.index] = entry
@@ -165,6 +178,36 @@ class Assembler:
             self._set(e, "trained")
         return group.entries
 
+    def reject(self, traj: Trajectory, now: float) -> None:
+        """A member that arrived poisoned (dead-lettered, no entry): its slot is done without it."""
+        self.counts["poison"] += 1
+        key = (traj.task, traj.group_id)
+        if key in self.finished:
+            return
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = Group(traj.task, traj.group_id, traj.group_size, now)
+        if traj.index not in group.members:
+            group.left_out.add(traj.index)
+
+    def evict(self, group: Group, indices: list[int]) -> list[Entry]:
+        """Take members out of a taken group (their entries were dead-lettered); returns its other
+        entries, decided `small_group`, if that leaves the group below `min_size` (else [])."""
+        for index in indices:
+            entry = group.members.pop(index)
+            group.entries.remove(entry)
+            group.left_out.add(index)
+            self.counts["poison"] += 1
+        if len(group.members) >= self.min_size:
+            return []
+        self.counts["groups_trained"] -= 1
+        self.counts[f"groups_trained/{group.task}"] -= 1
+        self.counts["groups_dropped"] += 1
+        for e in group.entries:
+            if not e.outcome:
+                self._set(e, "small_group")
+        return list(group.entries)
+
     def pop_decided(self) -> list[Entry]:
         """Entries decided outside a taken group since the last call."""
         out, self.decided = self.decided, []
@@ -182,7 +225,7 @@ class Assembler:
 
     def _recheck_staleness(self, group: Group, version: int) -> None:
         for index, entry in list(group.members.items()):
-            if staleness(entry.traj, version) > self.max_staleness:
+            if staleness(entry.traj, version, self.position) > self.max_staleness:
                 del group.members[index]
                 group.left_out.add(index)
                 self._set(entry, "stale")

@@ -9,11 +9,21 @@ groups trained per task); a task with no ready group is waited for at most
 (tasks of this model in the config count as sending from the start; other
 tasks join when their first trajectory comes).
 
-Every entry whose fate is decided (trained with its group, or dropped:
+Each trajectory is screened first (`jet.trainer.screen`, when `limits` is
+given): one the trainer can never train is dead-lettered alone at once with
+its real reason (`Feed.dead`: the dead letter and the ack are one atomic
+step) and its group's slot is closed without it, so its group and every
+other one train on; an overlong one is truncated (counted in
+`truncated_tokens`). `poison(group, {index: reason}, step)` does the same
+for members of a taken group that a failed step was traced to
+(`jet.trainer.guard`).
+
+Every other entry whose fate is decided (trained with its group, or dropped:
 stale, failed, small group, late, ...) is recorded in `consumed` with the
 step it was decided at; `take_consumed()` hands that list to the checkpoint,
 after which the loop acks it. Until then the entries stay pending in Redis
-under the trainer's lease.
+under the trainer's lease. So every entry read ends either in the ledger or
+in `dead`, never both.
 
 What it is not: a trainer. No torch; the loop decides what to do with groups.
 """
@@ -23,15 +33,19 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Mapping, Sequence
 
+from jet.wire import Trajectory
+
 from jet.trainer.feed import Feed
 from jet.trainer.groups import Assembler, Entry, Group, staleness
 from jet.trainer.mix import allocate
+from jet.trainer.screen import Limits, Poison, screen
 
 
 class Intake:
     def __init__(self, feed: Feed, assembler: Assembler, clock: Callable[[], float] = time.monotonic, *,
-                 weights: Mapping[str, float] | None = None, expected: Iterable[str] = (), mix_wait_s: float = 0.0):
-        self.feed, self.asm, self.clock = feed, assembler, clock
+                 weights: Mapping[str, float] | None = None, expected: Iterable[str] = (), mix_wait_s: float = 0.0,
+                 limits: Limits | None = None):
+        self.feed, self.asm, self.clock, self.limits = feed, assembler, clock, limits
         self.consumed: list[dict] = []  # decided since the last checkpoint
         self.weights = dict(weights or {})  # task -> mixing weight (jet.trainer.mix); a missing task weighs 1
         self.mix_wait_s = mix_wait_s
@@ -46,7 +60,7 @@ class Intake:
                 return None
             for entry_id, traj in self.feed.poll():
                 self.last_seen[traj.task] = self.clock()
-                self.asm.add(Entry(entry_id, traj), version, self.clock())
+                self.take(entry_id, traj, version)
             now = self.clock()
             ready = self.asm.ready(now)
             plan = allocate(n - len(groups), ready, self.weights, self.trained_per_task(), self._hold(now, start))
@@ -54,6 +68,29 @@ class Intake:
                 groups += self.asm.take(k, version, now, task=task)
             self._record(self.asm.pop_decided(), step)
         return groups
+
+    def take(self, entry_id: str, traj: Trajectory, version: int) -> None:
+        """Screen one trajectory read from the feed and file it with the assembler (or dead-letter it)."""
+        if self.limits is not None:
+            try:
+                traj, dropped = screen(traj, self.limits)
+            except Poison as e:
+                self.feed.dead(entry_id, f"trainer: {e}")
+                self.asm.reject(traj, self.clock())
+                return
+            if dropped:
+                self.asm.counts["truncated_tokens"] += dropped
+                self.asm.counts["truncated"] += 1
+        self.asm.add(Entry(entry_id, traj), version, self.clock())
+
+    def poison(self, group: Group, bad: Mapping[int, str], step: int) -> bool:
+        """Dead-letter members `bad` ({index: reason}) of a taken group; False when that leaves the
+        group untrainable (its other entries are then decided as `small_group`)."""
+        for index, reason in bad.items():
+            self.feed.dead(group.members[index].entry_id, f"trainer: {reason}")
+        dropped = self.asm.evict(group, list(bad))
+        self._record(dropped, step)
+        return not dropped
 
     def trained_per_task(self) -> dict[str, int]:
         """Groups trained so far per task (this run's lineage, checkpointed with the counts)."""
@@ -70,7 +107,7 @@ class Intake:
 
     def trained(self, groups: Sequence[Group], step: int, version: int) -> list[int]:
         """Record the groups of step `step` as consumed; returns each trained member's staleness."""
-        stale = [staleness(e.traj, version) for g in groups for e in g.members.values()]
+        stale = [staleness(e.traj, version, self.asm.position) for g in groups for e in g.members.values()]
         for g in groups:
             self._record(self.asm.trained(g), step)
         return stale

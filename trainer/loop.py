@@ -32,7 +32,17 @@ every entry is decided exactly once, and every acked entry was decided.
 Weight versions stay monotonic across restarts: if `weights:<model>` already
 announces a version newer than the checkpoint's (steps lost in a crash were
 published), the restored weights are published at once as the next version,
-so inference workers leave the lost lineage.
+so inference workers leave the lost lineage. Staleness is not counted in
+those version numbers but along the lineage (`jet.trainer.lineage`): the
+republished weights are as old as the checkpoint's version, so the backlog
+generated before the crash keeps its age instead of jumping by the lost
+steps (issue 11, item 7).
+
+Poison never stops training: every trajectory is screened on intake, and one
+the trainer can never train is dead-lettered alone with its reason; an
+overlong one is truncated or dead-lettered (`trainer.overlong`); a step that
+still fails on some trajectory drops that one and retries (`jet.trainer.screen`,
+`jet.trainer.guard`).
 
 `max_staleness: 0` is the synchronous baseline: after publishing version v
 the trainer accepts only trajectories generated entirely at v, waiting for
@@ -52,15 +62,17 @@ from typing import Callable
 import torch
 
 from jet.config import JetConfig, TrainerConfig, write_resolved
-from jet.trainer.batch import build_step, mean_reward
-from jet.trainer.checkpoint import Checkpoints
+from jet.trainer.batch import mean_reward
+from jet.trainer.checkpoint import Checkpoints, die_at
 from jet.trainer.dist import Comm, Plan
 from jet.trainer.feed import Feed
 from jet.trainer.groups import Assembler
+from jet.trainer.guard import guarded, guarded_step, prepare
 from jet.trainer.intake import Intake
+from jet.trainer.lineage import Lineage
 from jet.trainer.metrics import Metrics
 from jet.trainer.optim import lr_at
-from jet.trainer.packing import pack
+from jet.trainer.screen import Limits
 from jet.trainer.weights import prune_weights, weights_dir, write_weights
 from jet.wire import WeightVersion
 
@@ -74,6 +86,7 @@ class TrainState:
     step: int = 0  # optimiser steps taken
     version: int = 0  # newest weight version published (0 = the model directory's weights)
     counts: dict[str, int] = field(default_factory=dict)  # outcomes and group counters (jet.trainer.groups)
+    lineage: Lineage = field(default_factory=Lineage)  # version -> position along the lineage (rank 0's)
 
 
 @dataclass(slots=True)
@@ -101,7 +114,8 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
     state, resumed = TrainState(), ckpts.resume()
     if resumed:
         engine.load(resumed[0])
-        state = TrainState(resumed[1]["step"], resumed[1]["version"], resumed[1].get("counts", {}))
+        state = TrainState(resumed[1]["step"], resumed[1]["version"], resumed[1].get("counts", {}),
+                           Lineage.from_json(resumed[1].get("lineage")))
         log.info("resumed %s from %s (step %d, version %d)", model, resumed[0], state.step, state.version)
 
     with contextlib.ExitStack() as stack:
@@ -109,11 +123,13 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
         if comm.leader:
             write_resolved(cfg, cfg.run_dir)
             feed = stack.enter_context(Feed.for_trainer(cfg, model, url, stop))
-            asm = Assembler(min_size=tc.min_group_size, timeout_s=tc.group_timeout_s, max_staleness=tc.max_staleness)
+            asm = Assembler(min_size=tc.min_group_size, timeout_s=tc.group_timeout_s, max_staleness=tc.max_staleness,
+                            position=state.lineage.ordinal)
             asm.counts.update(state.counts)
             intake = Intake(feed, asm, weights={t.name: t.weight for t in cfg.tasks}, mix_wait_s=tc.mix_wait_s,
-                            expected=[t.name for t in cfg.tasks if t.model == model and t.weight > 0])
-            metrics = stack.enter_context(contextlib.closing(Metrics(root, resume_step=state.step)))
+                            expected=[t.name for t in cfg.tasks if t.model == model and t.weight > 0],
+                            limits=limits_of(engine.model, tc))
+            metrics = stack.enter_context(contextlib.closing(Metrics.for_trainer(cfg, model, resume_step=state.step)))
             if resumed:  # a crash may have come between the checkpoint and its acks
                 feed.ack([(c["entry"], c["msg"]) for c in resumed[1]["consumed"]])
 
@@ -147,10 +163,17 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                     checkpoint(ckpts, engine, comm, intake, state)
                 break
 
-            # 2. forward/backward on this rank's micro-batches, one optimiser step
+            # 2. forward/backward on this rank's micro-batches, one optimiser step (one process: a step
+            #    that fails on some trajectory dead-letters it and trains the rest, jet.trainer.guard)
             t0 = time.monotonic()
             rows, inputs = comm.share(rows, inputs)
-            stats = engine.train_step(comm.mine(rows), inputs, plan.lr, pad_row=rows[0])
+            if getattr(engine, "retryable", False):
+                groups, inputs, rows, stats = guarded_step(engine, intake, tc, groups, inputs, rows, plan.lr,
+                                                           state.step)
+                if stats is None:  # every member was dead-lettered: no step
+                    continue
+            else:
+                stats = engine.train_step(comm.mine(rows), inputs, plan.lr, pad_row=rows[0])
             trained_at, state.step = state.version, state.step + 1
 
             # 3. publish the new weights every publish_every steps
@@ -163,9 +186,10 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
 
             # 4. rank 0: the step's groups are consumed; metrics
             if comm.leader:
-                staleness = intake.trained(groups, state.step, trained_at)
+                staleness = intake.trained(groups, state.step, state.lineage.ordinal(trained_at))
                 metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
+                intake.feed.status.update(step=state.step, weight_version=state.version)  # its heartbeat
 
             # 5. checkpoint, then ack what it made durable
             if plan.checkpoint:
@@ -188,6 +212,16 @@ def make_backend(kind: str, path: str, tc: TrainerConfig, device: str | None):
     raise ValueError(f"unknown trainer backend {kind!r}; expected 'torch' or 'deepspeed'")
 
 
+def limits_of(model, tc: TrainerConfig) -> Limits:
+    """What the screen holds trajectories to: the model's vocabulary, a micro-batch's and the model's length."""
+    sizes = [model.config.vocab_size, model.get_input_embeddings().num_embeddings]
+    out = model.get_output_embeddings()
+    if out is not None and hasattr(out, "out_features"):
+        sizes.append(out.out_features)
+    positions = getattr(model.config, "max_position_embeddings", None) or tc.micro_batch_tokens
+    return Limits(min(sizes), min(tc.micro_batch_tokens, positions), tc.overlong)
+
+
 def first_plan(intake: Intake, state: TrainState) -> Plan:
     announced = intake.feed.latest_weights()
     newer = announced is not None and announced.version > state.version
@@ -195,20 +229,24 @@ def first_plan(intake: Intake, state: TrainState) -> Plan:
     if newer:
         log.info("weights:%s announces version %d past the checkpoint's %d: republishing as %d",
                  announced.model, announced.version, state.version, version)
+        state.lineage.resumed(state.version, announced.version, version)
     return Plan(publish=newer, step=state.step, version=version)
 
 
 def next_batch(intake: Intake, tc: TrainerConfig, state: TrainState, stop: Callable[[], bool]):
     """(groups, step inputs, packed rows) of the next step, or None when stopping."""
+    def probe(traj):
+        prepare([[traj]], tc)
+
     while True:
-        groups = intake.gather(tc.batch_groups, state.version, state.step, stop)
+        groups = intake.gather(tc.batch_groups, state.lineage.ordinal(state.version), state.step, stop)
         if groups is None:
             return None
-        inputs = build_step([g.trajectories() for g in groups], advantage=tc.advantage, loss_agg=tc.loss_agg)
-        rows = pack(inputs.samples, tc.micro_batch_tokens)
+        groups, (inputs, rows) = guarded(intake, groups, state.step,
+                                         lambda gs: prepare([g.trajectories() for g in gs], tc), probe)
         if rows:
             return groups, inputs, rows
-        intake.trained(groups, state.step, state.version)  # no trained token in them: nothing to step on
+        intake.trained(groups, state.step, state.lineage.ordinal(state.version))  # nothing to step on
 
 
 def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str, state: TrainState) -> None:
@@ -228,9 +266,11 @@ def checkpoint(ckpts: Checkpoints, engine, comm: Comm, intake: Intake | None, st
     consumed = intake.take_consumed() if comm.leader else []
     state.counts = dict(intake.asm.counts) if comm.leader else {}
     ckpts.write(state.step, {"version": state.version, "counts": state.counts, "consumed": consumed,
-                             "time": time.time()}, engine.save)
+                             "lineage": state.lineage.to_json(), "time": time.time()}, engine.save)
     if comm.leader:
+        die_at("checkpoint:written")
         intake.feed.ack([(c["entry"], c["msg"]) for c in consumed])
+        die_at("checkpoint:acked")
         log.info("checkpoint at step %d; acked %d trajectories", state.step, len(consumed))
 
 

@@ -4,7 +4,9 @@ What it is: functions of tensors only (no model, no I/O), so tests check them
 against hand-computed numbers and the timeline equivalence test checks that
 merged and unmerged samples give the same values.
 
-- `token_logprobs`: each token's logprob under the model, read at its parent;
+- `token_logprobs`: each token's logprob under the model, read at its parent,
+  under the token's own sampling transformation (temperature, top-p nucleus
+  renormalised: `jet.sampling`), so it is the quantity inference reported;
 - `policy_gradient_loss`: importance-weighted policy gradient / a normaliser;
 - `ppo_loss`: the trainer's objective. Per trained token t, with the
   importance ratio r = exp(logprob - behaviour logprob) against the policy
@@ -39,15 +41,31 @@ from dataclasses import dataclass
 import torch
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, parent_index: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[b, j] | its context), read from logits[b, parent_index[b, j]].
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, parent_index: torch.Tensor,
+                   temperature: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """log q(input_ids[b, j] | its context), read from logits[b, parent_index[b, j]].
 
     logits [B, L, V] (use float32), input_ids and parent_index [B, L] (int64,
-    parent -1 for tokens nothing predicts). Returns [B, L]; 0 where parent < 0.
+    parent -1 for tokens nothing predicts); `temperature` and `top_p` [B, L]
+    (float32, default 1) are each token's sampling settings: q is
+    softmax(logits / T) renormalised over the top-p nucleus (`jet.sampling`).
+    Returns [B, L]; 0 where parent < 0. Tokens at T = 1, top_p = 1 take the
+    plain log_softmax path; only the others pay for gathering their rows.
     """
+    from jet import sampling
+
     src = parent_index.clamp(min=0)
     rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
     picked = logits[rows, src, input_ids] - torch.logsumexp(logits, dim=-1)[rows, src]
+    if temperature is not None or top_p is not None:
+        temperature = torch.ones_like(picked) if temperature is None else temperature.to(picked.device)
+        top_p = torch.ones_like(picked) if top_p is None else top_p.to(picked.device)
+        special = ((temperature != 1) | (top_p < 1)) & (parent_index >= 0)
+        if bool(special.any()):
+            b, j = special.nonzero(as_tuple=True)
+            values = sampling.sampled_logprobs(logits[b, src[b, j]], input_ids[b, j], temperature[b, j], top_p[b, j])
+            flat = picked.flatten().index_copy(0, b * picked.shape[1] + j, values.to(picked.dtype))
+            picked = flat.view_as(picked)
     return picked.masked_fill(parent_index < 0, 0.0)
 
 

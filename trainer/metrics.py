@@ -1,13 +1,14 @@
-"""Trainer metrics: one JSONL line per step in the run folder, TensorBoard when installed, PNG plots.
+"""Trainer metrics: one JSONL line per step in the run folder, other loggers, PNG plots.
 
 What it is: `Metrics(folder)` appends `{"step", "time", <name>: value, ...}`
 lines to `metrics.jsonl` (names are namespaced: `train/loss`,
 `rollout/reward_mean`, `policy/staleness`, `queue/lag`, `perf/...`) and
-mirrors them to TensorBoard (`tensorboard/`) when `torch.utils.tensorboard`
-imports. On resume it first drops the lines of steps after the checkpoint it
-resumed from: those steps were lost with the process and are trained again,
-so the file describes the surviving lineage. `plot(folder)` (`jet plot`)
-writes reward, loss, staleness and throughput curves as PNGs.
+mirrors them to the other `trainer.loggers` (TensorBoard in `tensorboard/`
+when installed, W&B, MLflow: `jet.trainer.loggers`). On resume it first drops
+the lines of steps after the checkpoint it resumed from: those steps were lost
+with the process and are trained again, so the file describes the surviving
+lineage. `plot(folder)` (`jet plot`) writes reward, loss, staleness and
+throughput curves as PNGs.
 
 What it is not: logging (logs go through `logging`), and rank 0 only: other
 ranks never construct it.
@@ -37,28 +38,45 @@ PLOTS = {
 
 
 class Metrics:
-    def __init__(self, folder: Path, resume_step: int | None = None):
+    def __init__(self, folder: Path, resume_step: int | None = None, *,
+                 loggers: Iterable[str] = ("jsonl", "tensorboard"), name: str | None = None,
+                 config: dict | None = None):
+        from jet.trainer.loggers import open_sinks
+
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / FILE
-        if resume_step is not None:
-            self._truncate(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
-        # purge_step hides TensorBoard events of the lost steps, as _truncate drops their JSONL lines
-        self._tb = _tensorboard(self.folder / "tensorboard", None if resume_step is None else resume_step + 1)
+        loggers = list(loggers)
+        self._file = None
+        if "jsonl" in loggers:
+            if resume_step is not None:
+                self._truncate(resume_step)
+            self._file = open(self.path, "a", encoding="utf-8")
+        # (a resumed TensorBoard purges the lost steps' events, as _truncate drops their JSONL lines)
+        self._sinks = open_sinks(loggers, self.folder, resume_step=resume_step, name=name or self.folder.name,
+                                 config=config, lines=self.path if self._file is not None else self.folder / "-")
+
+    @classmethod
+    def for_trainer(cls, cfg, model: str, resume_step: int | None) -> "Metrics":
+        """The metrics of `model`'s trainer: `<run_dir>/trainer/<model>`, its `trainer.loggers`."""
+        from jet.config import dump
+
+        return cls(Path(cfg.run_dir) / "trainer" / model, resume_step, loggers=cfg.trainer_of(model).loggers,
+                   name=f"{cfg.run}/{model}", config=dump(cfg))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
-        self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for k, v in clean.items():
-                self._tb.add_scalar(k, v, step)
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+            self._file.flush()
+        for sink in self._sinks:
+            sink.log(step, clean)
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        if self._file is not None:
+            self._file.close()
+        for sink in self._sinks:
+            sink.close()
 
     def _truncate(self, step: int) -> None:
         if not self.path.is_file():
@@ -72,14 +90,6 @@ def _step_of(line: str) -> float:
         return json.loads(line).get("step", math.inf)
     except ValueError:
         return math.inf  # a torn last line of a killed process
-
-
-def _tensorboard(folder: Path, purge_step: int | None):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # torch.utils.tensorboard needs the tensorboard package
-        return None
-    return SummaryWriter(str(folder), purge_step=purge_step)
 
 
 def read(path: Path) -> list[dict]:

@@ -5,11 +5,12 @@ one packed row (B = 1, no padding) holding whole samples back to back; a sample
 longer than the budget is cut by `jet.timeline.split_sample`. Per token a row
 carries input ids, position ids (the depth in its tree), the index of its
 parent (whose logits predict it), the end of its subtree, the loss mask, the
-behaviour logprob, version, reward and `seq`: which (sample, episode) entry of
+behaviour logprob, version, sampling settings (temperature, top_p), reward and `seq`: which (sample, episode) entry of
 the `pack` call the token belongs to, numbered sample by sample
 (`sum(len(s.episode_ids) for s in samples[:k]) + s.episodes[i]`), so a caller
 can look up per-entry values (advantages, loss weights) for any row. `row_logprobs(model, row)` runs a
-Hugging Face causal LM on a row and returns each token's logprob.
+Hugging Face causal LM on a row and returns each token's logprob under its own sampling settings
+(`jet.trainer.losses.token_logprobs`), the quantity inference reported as the behaviour logprob.
 
 What it is not: no loss and no optimiser (`jet.trainer.losses`), no queue I/O,
 and no import of jet.workers: samples arrive as `jet.timeline.Sample`.
@@ -46,6 +47,8 @@ class Row:
     loss_mask: torch.Tensor  # float32, 1.0 on tokens the model generated
     behaviour_logprobs: torch.Tensor  # float32, 0.0 where the mask is 0
     versions: torch.Tensor  # int64, -1 where the mask is 0
+    temperatures: torch.Tensor  # float32, the token's sampling temperature; 1.0 where the mask is 0
+    top_ps: torch.Tensor  # float32, the token's nucleus mass; 1.0 where the mask is 0
     rewards: torch.Tensor  # float32, the reward of the token's episode; 0.0 where the mask is 0
     seq: torch.Tensor  # int64, the token's (sample, episode) entry in the `pack` call; -1 where the mask is 0
     causal: bool  # one linear sample: plain causal attention is exact
@@ -108,7 +111,7 @@ def seq_offsets(samples: Sequence[Sample]) -> list[int]:
 def pack_row(samples: Sequence[Sample], offsets: Sequence[int] | None = None) -> Row:
     """Lay samples out back to back in one row; `offsets` number their entries (default: `seq_offsets`)."""
     offsets = seq_offsets(samples) if offsets is None else offsets
-    tokens, parents, mask, lps, versions, rewards, seq = [], [], [], [], [], [], []
+    tokens, parents, mask, lps, versions, rewards, seq, temps, top_ps = [], [], [], [], [], [], [], [], []
     for s, first in zip(samples, offsets):
         offset = len(tokens)
         tokens += s.tokens
@@ -116,6 +119,8 @@ def pack_row(samples: Sequence[Sample], offsets: Sequence[int] | None = None) ->
         mask += s.mask
         lps += s.logprobs
         versions += s.versions
+        temps += s.temperatures
+        top_ps += s.top_ps
         rewards += [s.rewards[e] if e >= 0 else 0.0 for e in s.episodes]
         seq += [first + e if e >= 0 else -1 for e in s.episodes]
     depth, end = _depth_and_end(parents)
@@ -134,6 +139,8 @@ def pack_row(samples: Sequence[Sample], offsets: Sequence[int] | None = None) ->
         loss_mask=f32(mask),
         behaviour_logprobs=f32(lps),
         versions=long(versions),
+        temperatures=f32(temps),
+        top_ps=f32(top_ps),
         rewards=f32(rewards),
         seq=long(seq),
         causal=len(samples) == 1 and samples[0].is_linear,
@@ -161,7 +168,9 @@ def row_logprobs(model: torch.nn.Module, row: Row) -> torch.Tensor:
     """
     param = next(model.parameters())
     ids, parents = row.input_ids.to(param.device), row.parent_index.to(param.device)
-    mask = None if row.causal else row.attention_mask(param.dtype).to(param.device)
+    kind = param.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else param.dtype
+    mask = None if row.causal else row.attention_mask(dtype).to(param.device)
     positions = row.position_ids.to(param.device)
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
-    return token_logprobs(out.logits.float(), ids, parents)
+    return token_logprobs(out.logits.float(), ids, parents, row.temperatures, row.top_ps)

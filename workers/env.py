@@ -80,7 +80,7 @@ from jet.queues.runtime import Commit, Dead, Drop, Outcome, Runtime
 from jet.supervisor import mark_ready
 from jet.wire import Task
 from jet.workers.episode import Outcome as Episode
-from jet.workers.episode import code_version, load_function, play, trajectories
+from jet.workers.episode import code_version, load_function, play, trajectories, warn_no_llm_calls
 from jet.workers.gateway import KEY_GRACE_S, Episodes, episode_gateway, pool_size
 from jet.workers.lanes import LIVE, SHADOW, Lane, leave_group
 from jet.workers.runtimes import check_runtime, env_children, same_python
@@ -110,8 +110,9 @@ class TaskRunner:
         log.info("task %s: code version %s (%s lane)", self.t.name, self.code, self.lane.role)
         settings = Settings.of(self.cfg.queues, batch=self.t.concurrency)
         stream = self.keys.tasks(self.t.name)
+        beat = {"code_version": self.code, "task": self.t.name, "model": self.t.model, "lane": self.lane.role}
         async with Runtime(self.url, self.keys, stream, self.lane.group, self.name, settings,
-                           start=self.lane.start, stop=stop) as rt:
+                           start=self.lane.start, stop=stop, role="env", beat=lambda: beat) as rt:
             if self.ready:
                 self.ready()
             await rt.serve_each(self._episode, stop, concurrency=self.t.concurrency,
@@ -137,7 +138,8 @@ class TaskRunner:
             self.llm.close_session(task.msg_id)
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await self.gateway.close(session)
-        return Commit(self._outputs(d, task, out))
+        quiet = warn_no_llm_calls(out, task=task.task, worker=self.name)  # trains nothing: counted by the commit
+        return Commit(self._outputs(d, task, out), counter="no_llm_calls" if quiet else "")
 
     def _outputs(self, d: Delivery, task: Task, out: Episode) -> list[tuple[str, dict]]:
         """The trajectories, and for a failed episode the retry copy or the dead letter."""
@@ -211,7 +213,7 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
     timeout = request_timeout_s or max(30.0, 3 * cfg.queues.lease_ms / 1000)
     async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout, max_connections=pool_size(cfg),
                            gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
-        log.info("env worker slot %d: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
+        log.info("env worker slot %s: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
         loaded: set[str] = set()
 
         def ready(name: str) -> None:  # every task loaded: a rolling reload may drain the old workers

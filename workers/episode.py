@@ -22,6 +22,13 @@ by rolling replacement). Versions played against: each model's Trajectory
 records, in `meta["opponent_versions"]`, the sorted weight versions of the
 OTHER models' calls in the episode (`{"planner": [3, 4]}`), absent when none.
 
+No LLM call (issue 14): an episode that succeeds without one recorded LLM call
+(the agent talked to another endpoint, or to none) would train on nothing.
+`trajectories` marks it `meta["no_llm_calls"] = True`; `note_no_llm_calls`,
+called by the env worker once the episode is committed, counts it in the run's
+stats hash (`no_llm_calls`, shown by `jet status` and `jet dash`) and logs one
+warning per worker and task with the likely cause.
+
 Rewards: a number, or a dict agent name -> number. With a dict, each agent's
 calls are merged separately and get that agent's reward; every agent that made
 calls on a trained model needs an entry. Only models that are trained get
@@ -34,6 +41,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import logging
 import math
 import os
 import sys
@@ -46,9 +54,13 @@ import anyio
 import orjson
 
 from jet.errors import QueueError
+from jet.keys import Keys
 from jet.llm import Session
+from jet.queues.connect import translated
 from jet.timeline import Call, Sample, merge_calls
 from jet.wire import Reward, Task, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -195,6 +207,8 @@ def trajectories(task: Task, out: Outcome, *, episode_id: str, task_model: str, 
     models = sorted(set(out.samples) | ({task_model, *out.versions} & trained))
     meta = {**meta, "info": out.info, "calls": out.calls, "duration_s": round(out.duration_s, 3),
             **({"undelivered_calls": out.undelivered} if out.undelivered else {})}
+    if no_llm_calls(out):
+        meta["no_llm_calls"] = True
     return [Trajectory(task=task.task, group_id=task.group_id, index=task.index, episode_id=episode_id, model=m,
                        reward=out.reward if out.reward is not None else 0.0, samples=tuple(out.samples.get(m, ())),
                        group_size=task.group_size, attempt=task.attempt, failed=out.failed,
@@ -206,6 +220,37 @@ def trajectories(task: Task, out: Outcome, *, episode_id: str, task_model: str, 
 def _with_opponents(meta: dict[str, Any], versions: dict[str, list[int]], model: str) -> dict[str, Any]:
     others = {m: v for m, v in sorted(versions.items()) if m != model}
     return {**meta, "opponent_versions": others} if others else meta
+
+
+def no_llm_calls(out: Outcome) -> bool:
+    """A finished episode in which no LLM call was recorded: it has nothing to train on."""
+    return not out.failed and out.calls == 0
+
+
+_warned_no_calls: set[tuple[str, str]] = set()  # (worker, task) pairs already warned about, per process
+
+
+def no_calls_cause() -> str:
+    """The likely reason an episode recorded no call, for the warning."""
+    cause = ("the workflow made no call through its episode's LLM client or gateway: an OpenAI client must be "
+             "built from the session (llm.openai_client(), or base_url/api_key from llm.openai_credentials()), "
+             "or the workflow returned before calling the model")
+    base = os.environ.get("OPENAI_BASE_URL")
+    if base:
+        cause += f"; OPENAI_BASE_URL={base} is set in this worker, so a default OpenAI() client talks there"
+    return cause
+
+
+def warn_no_llm_calls(out: Outcome, *, task: str, worker: str) -> bool:
+    """Whether the episode recorded no LLM call (its commit then counts it in stats `no_llm_calls`,
+    atomically); warns once per (worker, task), naming the likely cause."""
+    if not no_llm_calls(out):
+        return False
+    if (worker, task) not in _warned_no_calls:
+        _warned_no_calls.add((worker, task))
+        log.warning("task %s: an episode recorded no LLM call, so it trains nothing (counted as no_llm_calls "
+                    "in `jet status`; warned once per worker and task). Likely cause: %s", task, no_calls_cause())
+    return True
 
 
 MAX_CWD_FILES = 2000  # .py files under runtime.cwd hashed into the code version, at most

@@ -193,6 +193,7 @@ def call_fields(messages: list[dict], tools: list[dict] | None, done: ChatComple
     """A calls-stream entry: the Call, and the kept turn it leaves (for `restore`)."""
     c = done.call
     meta = {"model": c.model, "agent": c.agent, "version": c.version, "finish_reason": c.finish_reason,
+            "temperature": c.temperature, "top_p": c.top_p,
             "keys": [message_key(m) for m in [*messages, done.message]], "tools": tools_key(tools)}
     if response is not None:
         meta["response"] = {"id": response[0], "conversation": response[1]}
@@ -210,7 +211,8 @@ def decode_call(fields: dict) -> tuple[Call, dict] | None:
     m = p.meta
     try:
         call = Call(tuple(p.arrays["prompt"]), tuple(p.arrays["completion"]), tuple(p.arrays["logprobs"]),
-                    int(m["version"]), str(m["model"]), str(m["agent"]), str(m["finish_reason"]))
+                    int(m["version"]), str(m["model"]), str(m["agent"]), str(m["finish_reason"]),
+                    temperature=float(m.get("temperature", 1.0)), top_p=float(m.get("top_p", 1.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError(f"malformed {CALL!r} entry: {e}") from None
     return call, m

@@ -2,22 +2,29 @@
 
 What it is: pure compute on a transformers causal LM (CPU or GPU). Prompts are
 batched with LEFT padding, an attention mask and explicit position ids, and
-decoded token by token with a KV cache in a loop written here, so sampling is
+decoded token by token with a KV cache by the scheduler of
+`jet.workers.hf_engine`, and sampled here (`pick_tokens`), so sampling is
 ours: temperature, top-p, per-request seeds, max_tokens and stop ids.
 
-What it is not: a server. No Redis, no threads, no batching policy; the
-inference worker decides what goes into a batch and calls `load_weights`
-between batches (the class is not thread-safe).
+`generate(prompts, params)` decodes a batch to the end (batch-synchronous);
+`await agenerate_one(prompt, params)` decodes each call together with the
+others in flight, joining and leaving between steps (continuous batching,
+`jet.workers.hf_engine`), and `await aload_weights(...)` loads between them
+without dropping any. Both run the same scheduler and the same sampling math.
+
+What it is not: a server. No Redis; the sync API is not thread-safe, and is not
+to be mixed with the async one while async calls are in flight.
 
 Invariants:
-- Logprobs are what the trainer recomputes: for each sampled token,
-  log_softmax(logits / temperature)[token] over the FULL vocabulary, i.e.
-  under the temperature-scaled distribution BEFORE top-p truncation, computed
-  in float32. Temperature 0 means greedy (argmax); its logprob is then under
-  temperature 1, log_softmax(logits)[token].
+- Logprobs are what the trainer recomputes: for each sampled token, its
+  logprob under the distribution it was drawn from, the temperature-scaled
+  softmax renormalised over the top-p nucleus, in float32 (`jet.sampling`
+  defines it and finds the nucleus; both sides call it). Temperature 0 means
+  greedy (argmax); its logprob is then under temperature 1,
+  log_softmax(logits)[token] (informational: greedy tokens are never trained).
 - Batch invariance: each request owns a torch.Generator seeded with its seed
   and draws exactly one uniform number per sampled token, and sampling inverts
-  the CDF in token-id order (top-p only decides which ids are kept). So a
+  the CDF in token-id order (top-p only decides which ids are kept, row by row). So a
   request samples the same tokens alone or in any batch, up to float noise in
   the logits at a CDF boundary; greedy matches exactly.
 - A stop token (the request's stop ids plus the generation config's EOS ids)
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from jet import sampling
 from jet.errors import WeightsError
 from jet.wire import file_sha256
 
@@ -66,7 +74,8 @@ class GenOutput:
 class HFBackend:
     """A transformers causal LM with a hand-written sampling loop."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                 max_inflight: int = 256):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -79,6 +88,8 @@ class HFBackend:
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else next(iter(self.eos_ids), 0)
         self.vocab_size = config.vocab_size
         self.version = 0
+        self.max_inflight = max_inflight  # rows decoded together by the async API
+        self._engine = None
 
     @property
     def context_length(self) -> int:
@@ -98,56 +109,36 @@ class HFBackend:
             else:
                 runnable.append(i)
         if runnable:
-            done = self._decode([prompts[i] for i in runnable], [params[i] for i in runnable])
-            for i, out in zip(runnable, done):
-                outputs[i] = out
+            from jet.workers.hf_engine import Scheduler
+
+            sched = Scheduler(self, max_rows=len(runnable))
+            rows = [sched.new_row(prompts[i], params[i]) for i in runnable]
+            sched.run(rows)
+            for i, row in zip(runnable, rows):
+                outputs[i] = row.output()
         return outputs
+
+    async def agenerate_one(self, prompt: list[int], sp: SamplingParams) -> GenOutput:
+        """One completion, decoded together with the other calls in flight (`jet.workers.hf_engine`)."""
+        return await self.engine.agenerate_one(prompt, sp)
+
+    async def aload_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None) -> None:
+        """`load_weights` once the requests in flight have finished; new ones wait meanwhile."""
+        await self.engine.aload_weights(path, sha256, version)
+
+    @property
+    def engine(self):
+        """The continuous-batching engine of the async API (created on first use)."""
+        if self._engine is None:
+            from jet.workers.hf_engine import Engine
+
+            self._engine = Engine(self, self.max_inflight)
+        return self._engine
 
     def _request_error(self, prompt: list[int], sp: SamplingParams) -> str | None:
         if not 0 < sp.top_p <= 1:
             return f"top_p must be in (0, 1], got {sp.top_p}"
         return request_error(prompt, sp, self.context_length, self.vocab_size)
-
-    def _decode(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
-        import torch
-        from transformers import DynamicCache
-
-        n = len(prompts)
-        ids, mask, pos = self._left_pad(prompts)
-        limits = [min(sp.max_tokens, self.context_length - len(p)) for p, sp in zip(prompts, params)]
-        stops = [self.eos_ids | frozenset(sp.stop_token_ids) for sp in params]
-        gens = [_generator(sp.seed) for sp in params]
-        temps = torch.tensor([sp.temperature or 1.0 for sp in params], device=self.device)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        active = list(range(n))  # request index of each batch row
-        cache = DynamicCache(config=self.model.config)
-        with torch.inference_mode():
-            while active:
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                 cache=cache, use_cache=True, logits_to_keep=1)
-                logits = out.logits[:, -1, :].float()
-                logp = torch.log_softmax(logits / temps[active, None], dim=-1)
-                picks = [_sample(logits[r], logp[r], params[i], gens[i]) for r, i in enumerate(active)]
-                for r, i in enumerate(active):
-                    tokens[i].append(picks[r])
-                    logps[i].append(logp[r, picks[r]].item())
-                    if picks[r] in stops[i]:
-                        finish[i] = "stop"
-                    elif len(tokens[i]) >= limits[i]:
-                        finish[i] = "length"
-                # Finished rows leave the batch: cache, mask and positions shrink with it.
-                keep = [r for r, i in enumerate(active) if finish[i] is None]
-                if len(keep) < len(active):
-                    rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-                    cache.batch_select_indices(rows)
-                    mask, pos = mask[rows], pos[rows]
-                active = [active[r] for r in keep]
-                ids = torch.tensor([[picks[r]] for r in keep], dtype=torch.long, device=self.device)
-                mask = torch.cat([mask, mask.new_ones((len(keep), 1))], dim=1)
-                pos = pos[:, -1:] + 1
-        return [GenOutput(tokens[i], logps[i], finish[i], None, self.version) for i in range(n)]
 
     def _left_pad(self, prompts: list[list[int]]):
         import torch
@@ -179,7 +170,10 @@ class HFBackend:
             digest = file_sha256(file)
             if digest != sha256.lower():
                 raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
-        state = load_file(str(file), device="cpu")
+        try:
+            state = load_file(str(file), device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types (SafetensorError, ...)
+            raise WeightsError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}") from e
         live = self.model.state_dict()
         self._check_state(state, live, file)
         with torch.no_grad():
@@ -220,8 +214,25 @@ def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vo
     return None
 
 
-def _sample(logits, logp, sp: SamplingParams, gen) -> int:
-    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy."""
+def pick_tokens(logits, params: list[SamplingParams], gens: list) -> list[tuple[int, float]]:
+    """One (token id, logprob) per row of `logits` (float32, [rows, vocab]): the sampling math of
+    both APIs (see the module docstring for what the logprob is: `jet.sampling`)."""
+    import torch
+
+    temps = torch.tensor([sp.temperature or 1.0 for sp in params], device=logits.device)
+    top_ps = torch.tensor([sp.top_p if sp.temperature else 1.0 for sp in params], device=logits.device)
+    logp = sampling.tempered_logprobs(logits, temps)
+    nucleus = sampling.nucleus_mask(logp, top_ps)
+    picks = [_sample(logits[r], logp[r], sp, gen, nucleus[r]) for r, (sp, gen) in enumerate(zip(params, gens))]
+    reported = sampling.renormalised(logp, torch.tensor(picks, device=logits.device), top_ps, nucleus).tolist()
+    return list(zip(picks, reported))
+
+
+def _sample(logits, logp, sp: SamplingParams, gen, nucleus=None) -> int:
+    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy.
+
+    `nucleus` is the row's top-p mask (`jet.sampling.nucleus_mask`), computed here when not given.
+    """
     import torch
 
     if sp.temperature == 0:
@@ -229,12 +240,9 @@ def _sample(logits, logp, sp: SamplingParams, gen) -> int:
     u = torch.rand((), generator=gen, dtype=torch.float64).item()
     probs = logp.double().exp()
     if sp.top_p < 1:
-        # Nucleus: the top tokens whose mass first reaches top_p. Keeping every id
-        # with prob >= the last kept one makes the set independent of sort ties.
-        ordered = torch.sort(probs, descending=True).values
-        before = torch.cumsum(ordered, dim=0) - ordered
-        floor = ordered[(before < sp.top_p).sum() - 1]
-        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+        if nucleus is None:
+            nucleus = sampling.nucleus_mask(logp[None], torch.tensor([sp.top_p], device=logp.device))[0]
+        probs = torch.where(nucleus, probs, torch.zeros_like(probs))
     cdf = torch.cumsum(probs, dim=0)  # token-id order, so batch noise cannot reorder it
     target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
     idx = int(torch.searchsorted(cdf, target, right=True).item())

@@ -1,14 +1,19 @@
 """The inference worker: `jet worker infer --model NAME [--backend hf|vllm] [-n N]`.
 
 What it is: a consumer of `gen:<model>` (group `infer`, consumer
-`<host>-infer-<model>-<slot>`) that takes up to `models[].max_batch` requests
-at a time (`jet.queues.runtime.Runtime.serve_batches`), generates them with the backend in one batch
-(`hf`: a thread; `vllm`: its async engine), and answers each on the
-requester's reply stream with a GenResult. The reply XADD, the request's ack
-and its idempotency marker commit in one atomic step, so a request reclaimed
-from a crashed worker or retried by the client is answered at most once.
-Between batches it loads the newest weights announced on `weights:<model>`
-(`jet.workers.weights`); every reply carries the version it was generated with.
+`<host>-infer-<model>-<slot>`) that serves each request on its own
+(`jet.queues.runtime.Runtime.serve_each`, up to `models[].max_inflight` at
+once): it hands the request to the backend's per-request API
+(`agenerate_one`: `hf` decodes the calls in flight together, joining and
+leaving between steps, `jet.workers.hf_engine`; `vllm` is its async engine),
+and answers on the requester's reply stream with a GenResult the moment that
+request completes. The reply XADD, the request's ack and its idempotency marker
+commit in one atomic step, so a request reclaimed from a crashed worker or
+retried by the client is answered at most once. Weights announced on
+`weights:<model>` are checked and loaded as they come (`jet.workers.weights`):
+the backend's gate lets the requests in flight finish and holds new ones back
+meanwhile, so every reply carries the one version its tokens came from, and a
+bad announcement is dead-lettered while the old weights keep serving.
 
 Requests that cannot be served get a reason, never a crash: an over-long or
 invalid request gets an error reply (from the backend); a malformed one goes to
@@ -24,12 +29,12 @@ What it is not: a scheduler across workers (more throughput = more processes).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
 import time
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any
 
 import anyio
 import click
@@ -50,45 +55,36 @@ log = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 1.0  # clock skew tolerated between client and worker (s)
 
 
-def make_backend(kind: str, path: str, device: str) -> Any:
+def make_backend(kind: str, path: str, device: str, max_inflight: int = 64, dtype: str = "float32") -> Any:
     """Load the backend (blocking: call from a thread)."""
     if kind == "hf":
         from jet.workers.hf_backend import HFBackend
 
-        return HFBackend(path, device=device)
+        return HFBackend(path, device=device, dtype=dtype, max_inflight=max_inflight)
     if kind == "vllm":
         from jet.workers.vllm_backend import VLLMBackend
 
-        return VLLMBackend(path, device=device)
+        return VLLMBackend(path, device=device, dtype=dtype, max_num_seqs=max_inflight)
     raise ValueError(f"unknown backend {kind!r}; expected 'hf' or 'vllm'")
 
 
 class Handler:
-    """Turns a batch of deliveries of `gen:<model>` into outcomes: replies, drops, dead letters."""
+    """Turns one delivery of `gen:<model>` into its outcome: a reply, a drop or a dead letter."""
 
-    def __init__(self, rt: Runtime, backend: Any, follower: WeightFollower, model: str):
-        self.rt, self.backend, self.follower, self.model = rt, backend, follower, model
+    def __init__(self, rt: Runtime, backend: Any, model: str):
+        self.rt, self.backend, self.model = rt, backend, model
         self.keys, self.url = rt.keys, rt.url
 
-    async def __call__(self, batch: list[Delivery]) -> list[Outcome]:
-        results: list[Outcome] = [Drop("gen_skipped") for _ in batch]
-        todo: list[tuple[int, GenRequest]] = []
-        for i, d in enumerate(batch):
-            req = self._decode(d)
-            if isinstance(req, Dead):
-                results[i] = req
-            elif not req.deadline or time.time() <= req.deadline + DEADLINE_GRACE_S:
-                todo.append((i, req))
-        gone = await self._gone_clients({req.reply_to for _, req in todo})
-        todo = [(i, req) for i, req in todo if req.reply_to not in gone]
-        if len(todo) < len(batch):
-            log.info("skipped %d requests whose client gave up or is gone", len(batch) - len(todo))
-        if todo:
-            await self.follower.apply(self.backend)  # between batches: one version per batch
-            outs = await self._generate([req for _, req in todo])
-            for (i, req), out in zip(todo, outs):
-                results[i] = Commit([(req.reply_to, self._result(req, out).to_fields())])
-        return results
+    async def __call__(self, d: Delivery) -> Outcome:
+        req = self._decode(d)
+        if isinstance(req, Dead):
+            return req
+        if req.deadline and time.time() > req.deadline + DEADLINE_GRACE_S:
+            return Drop("gen_skipped")  # the client gave up on this attempt; its retry is served
+        if not await self._client_alive(req.reply_to):
+            return Drop("gen_skipped")
+        out = await self.backend.agenerate_one(list(req.prompt_ids), sampling(req))
+        return Commit([(req.reply_to, self._result(req, out).to_fields())])
 
     def _decode(self, d: Delivery) -> GenRequest | Dead:
         """The request, or its dead letter (malformed, wrong model, foreign reply key)."""
@@ -104,22 +100,9 @@ class Handler:
             return Dead(str(e))
         return req
 
-    async def _gone_clients(self, streams: set[str]) -> set[str]:
-        streams = sorted(streams)
+    async def _client_alive(self, reply_to: str) -> bool:
         with translated(self.url):
-            async with self.rt.client.pipeline(transaction=False) as p:
-                for s in streams:
-                    p.exists(s)
-                flags = await p.execute()
-        return {s for s, f in zip(streams, flags) if not f}
-
-    async def _generate(self, reqs: list[GenRequest]) -> list:
-        prompts = [list(r.prompt_ids) for r in reqs]
-        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                 stop_token_ids=r.stop_token_ids, seed=r.seed) for r in reqs]
-        if inspect.iscoroutinefunction(getattr(self.backend, "agenerate", None)):
-            return await self.backend.agenerate(prompts, params)
-        return await anyio.to_thread.run_sync(self.backend.generate, prompts, params)
+            return bool(await self.rt.client.exists(reply_to))
 
     def _result(self, req: GenRequest, out) -> GenResult:
         return GenResult(request_id=req.msg_id, model=self.model, token_ids=out.token_ids,
@@ -127,30 +110,47 @@ class Handler:
                          error=out.error, worker=self.rt.name)
 
 
+def sampling(req: GenRequest) -> SamplingParams:
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
+                          stop_token_ids=req.stop_token_ids, seed=req.seed)
+
+
+def weights_roots(cfg: JetConfig, model: str) -> list[Path]:
+    """Where weight announcements of `model` may point: the run's weights folder, and the configured roots."""
+    return [cfg.run_dir / "weights" / model, *map(Path, cfg.model(model).weights_roots)]
+
+
 async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: int = 0,
-              backend: Any = None, backend_kind: str | None = None, device: str | None = None) -> None:
-    """Serve `gen:<model>` until `stop` is set, then drain (finish or release the batch in hand)."""
+              backend: Any = None, backend_kind: str | None = None, device: str | None = None,
+              close_backend: bool = True) -> None:
+    """Serve `gen:<model>` until `stop` is set, then drain (requests in flight finish or are released).
+
+    `backend`: use this one instead of loading `models[].backend`; `close_backend=False` leaves it open."""
     m = cfg.model(model)
-    keys, settings = Keys(cfg.run), Settings.of(cfg.queues, batch=m.max_batch)
+    keys, settings = Keys(cfg.run), Settings.of(cfg.queues, batch=m.max_inflight)
     if backend is None:
-        backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device)
+        backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
+                                                 m.max_inflight, m.dtype)
     name = consumer_name(f"infer-{model}", slot)
     try:
         rw = await retry_forever(lambda: connect(url, block_ms=settings.block_ms, name=name), url=url,
                                  what="connect", stop=stop)
-        follower = WeightFollower(rw, url, keys, model, settings.block_ms)
-        async with Runtime(url, keys, keys.gen(model), GROUP_INFER, name, settings, stop=stop) as rt:
-            await follower.catch_up()
-            await follower.apply(backend)
-            log.info("%s serving %s (weight version %d, batch %d)", name, model, backend.version, m.max_batch)
+        beat = {"model": model, "backend": backend_kind or m.backend}
+        async with Runtime(url, keys, keys.gen(model), GROUP_INFER, name, settings, stop=stop, role="infer",
+                           beat=lambda: {**beat, "weight_version": backend.version}) as rt:
+            follower = WeightFollower(rt.client, rw, url, keys, model, name, weights_roots(cfg, model),
+                                      settings.block_ms)
+            await follower.catch_up(backend)
+            log.info("%s serving %s (weight version %d, %d requests in flight at most)", name, model,
+                     backend.version, m.max_inflight)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(follower.run)
-                await rt.serve_batches(Handler(rt, backend, follower, model), stop)
+                tg.start_soon(follower.run, backend)
+                await rt.serve_each(Handler(rt, backend, model), stop, concurrency=m.max_inflight)
                 tg.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
             await rw.aclose()
     finally:
-        if hasattr(backend, "close"):
+        if close_backend and hasattr(backend, "close"):
             backend.close()
 
 

@@ -35,7 +35,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def write_config(path: Path, run: str, model_dir: Path, tasks: list[dict], **queues):
     """A config file for run `run`: one model, the given tasks (defaults filled), short leases."""
     defaults = {"dataset": "guess", "group_size": 2, "concurrency": 4, "episode_timeout_s": 60, "max_retries": 1}
-    data = {"run": run, "queues": {"lease_ms": 3000, "block_ms": 200, "max_deliveries": 5, **queues},
+    data = {"run": run, "runs_dir": str(path.parent / "runs"), "queues": {"lease_ms": 3000, "block_ms": 200, "max_deliveries": 5, **queues},
             "models": [{"name": MODEL, "path": str(model_dir), "max_batch": 8}],
             "tasks": [{**defaults, **t} for t in tasks], "trainer": {"min_group_size": 1}}
     path.write_text(yaml.safe_dump(data))

@@ -15,13 +15,13 @@ import anyio
 import pytest
 import torch
 
-from jet.queues import admin, codec
+from jet.queues import admin, codec, registry
 from jet.queues.connect import connect
 from jet.tasks import dataset
 from jet.tasks.guess import score
 from jet.workers import env, infer
 
-from .conftest import MODEL, enqueue, trajectories, wait_for, write_config
+from .conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
 
 LOGPROB_ATOL = 1e-4  # float32 on CPU: batched, left-padded, KV-cached decoding vs one unpadded forward
 
@@ -95,7 +95,15 @@ async def test_episodes_end_to_end(redis_url, keys, tiny_model, tmp_path):
     await enqueue(redis_url, keys, "sync", [{}])
     async with running_workers(cfg, redis_url):
         trajs = await wait_for(lambda: _at_least(redis_url, keys, 12), timeout=90)
+        r = await connect(redis_url)
+        swarm = {w["name"]: w for w in await registry.workers(r, keys) if w["alive"]}
+        await r.aclose()
     assert len(trajs) == 12 and not [t.error for t in trajs if t.failed]
+    # Every runtime beats in the worker registry: role, host, and what it serves and runs.
+    assert swarm[f"{HOST}-infer-{MODEL}-0"]["role"] == "infer" and swarm[f"{HOST}-infer-{MODEL}-0"]["weight_version"] == 0
+    envs = {w["task"]: w for w in swarm.values() if w["role"] == "env"}
+    assert sorted(envs) == ["chat", "guess", "sync"] and all(w["host"] == HOST for w in envs.values())
+    assert {w["code_version"] for w in envs.values()} >= {trajs[0].meta["code_version"]}
     by_task = {name: [t for t in trajs if t.task == name] for name in ("chat", "guess", "sync")}
     assert [len(v) for v in by_task.values()] == [6, 4, 2]
     assert {(t.group_id, t.index) for t in by_task["chat"]} == {(f"g{i}", j) for i in range(3) for j in range(2)}

@@ -126,3 +126,49 @@ def test_a_failed_team_episode_reaches_every_trained_model_it_called():
     trajs = trajectories(Task("team", {}, "g"), bad, episode_id="ep", task_model="proposer",
                          trained={"proposer", "solver"}, retry=False, meta={})
     assert [(t.model, t.failed, t.samples) for t in trajs] == [("proposer", True, ()), ("solver", True, ())]
+
+
+@pytest.mark.anyio
+async def test_an_episode_without_llm_calls_is_flagged_counted_and_warned_about_once(redis_url, keys, caplog,
+                                                                                  monkeypatch):
+    import os
+
+    from rich.console import Console
+
+    from jet.queues import admin
+    from jet.queues.connect import connect
+    from jet.status import render
+    from jet.workers.episode import note_no_llm_calls
+
+    class Silent:  # a session the workflow never uses: it "talked to some other endpoint"
+        episode_id, calls, info = "ep", [], {}
+
+    task = Task("t", {}, "g")
+    out = await play(task, Silent(), lambda t, llm: 1.0, None, timeout_s=5, merge_mode="exact", trained={"m"})
+    [t] = trajectories(task, out, episode_id="ep", task_model="m", trained={"m"}, retry=False, meta={})
+    assert not t.failed and t.samples == () and t.meta["no_llm_calls"] is True and t.meta["calls"] == 0
+    talked = Outcome(reward=1.0, samples=merge(CALLS, 1.0, "exact", "ep", {"m"}), calls=4)
+    failed = Outcome(calls=0)
+    failed.fail("RuntimeError: x")
+    for other in (talked, failed):  # a failure already says why; only a finished, silent episode is flagged
+        assert all("no_llm_calls" not in x.meta for x in trajectories(task, other, episode_id="ep", task_model="m",
+                                                                       trained={"m"}, retry=False, meta={}))
+    monkeypatch.setenv("OPENAI_BASE_URL", "https://api.example.com/v1")
+    r = await connect(redis_url)
+    try:
+        with caplog.at_level("WARNING", logger="jet.workers.episode"):
+            for worker, tsk in (("w0", "t"), ("w0", "t"), ("w0", "t2"), ("w1", "t")):
+                assert await note_no_llm_calls(r, keys, out, task=tsk, worker=worker, url=redis_url)
+            assert not await note_no_llm_calls(r, keys, talked, task="t", worker="w0", url=redis_url)
+            assert not await note_no_llm_calls(r, keys, failed, task="t", worker="w0", url=redis_url)
+        warnings = [rec.getMessage() for rec in caplog.records if "no LLM call" in rec.getMessage()]
+        assert len(warnings) == 3  # once per (worker, task)
+        assert "llm.openai_client()" in warnings[0] and "OPENAI_BASE_URL=https://api.example.com/v1" in warnings[0]
+        report = await admin.report(r, keys, redis_url)
+        assert report["stats"]["no_llm_calls"] == 4
+    finally:
+        await r.aclose()
+    console = Console(record=True, width=200, file=open(os.devnull, "w"))
+    console.print(render([report]))
+    text = console.export_text()
+    assert "episodes with no LLM call │ 4 " in text and "they train nothing" in text

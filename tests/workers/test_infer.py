@@ -122,7 +122,7 @@ async def test_client_errors_timeouts_and_retries(redis_url, keys, cfg, tiny_mod
 
 @pytest.mark.anyio
 async def test_new_weights_are_followed_between_batches(redis_url, keys, cfg, tiny_model, tmp_path):
-    v3 = tmp_path / "weights" / MODEL / "v3"
+    v3 = cfg.run_dir / "weights" / MODEL / "v3"
     _, digest = perturbed_weights(tiny_model, v3, seed=1, scale=0.3)
     r = await connect(redis_url)
     async with open_client(redis_url, keys, Tokenizers({MODEL: str(tiny_model)}), timeout_s=30) as client:
