@@ -203,6 +203,9 @@ class GenResult:
                    msg_id=p.msg_id)
 
 
+WEIGHTS_FILE = "model.safetensors"  # the weights file in a model or weights folder (trainer writes, backends load)
+
+
 def file_sha256(path: str | Path) -> str:
     """The hex sha256 of a weights file: what a WeightVersion carries and loaders check."""
     digest = hashlib.sha256()
