@@ -32,7 +32,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 from jet import configlib
 from jet.configlib import Section, hint, invalid, problem
 from jet.errors import ConfigError
-from jet.keys import check_name
+from jet.keys import STREAM_KINDS as KEY_STREAM_KINDS, check_name
 
 __all__ = ["JetConfig", "QueueConfig", "ModelConfig", "TaskConfig", "RuntimeConfig", "TrainerConfig", "load",
            "load_file", "dump", "write_resolved", "redis_url", "check_models", "default_config_path",
@@ -42,9 +42,9 @@ REDIS_URL_ENV = "JET_REDIS_URL"
 RESOLVED_NAME = "config.resolved.yaml"
 
 # Streams whose length `queues.maxlen` may bound (the kinds of `jet.keys.Keys`).
-STREAM_KINDS = ("tasks", "gen", "reply", "traj", "weights", "dead", "events")
-# Approximate caps (XADD MAXLEN ~) for the busy streams; a kind left out of the file keeps its default.
-DEFAULT_MAXLEN = {"tasks": 100_000, "gen": 10_000, "traj": 10_000}
+STREAM_KINDS = KEY_STREAM_KINDS  # the kinds of `jet.keys.Keys` streams `queues.maxlen` may bound
+# Bounds of the busy streams and of `dead`; a kind left out of the file keeps its default.
+DEFAULT_MAXLEN = {"tasks": 100_000, "gen": 10_000, "traj": 10_000, "dead": 2_000}
 
 _FUNCTION = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -84,9 +84,12 @@ class QueueConfig(Section):
     batch: PositiveInt = 64
     """Entries fetched per read (count)."""
     maxlen: dict[str, PositiveInt] = Field(default_factory=lambda: dict(DEFAULT_MAXLEN))
-    """Approximate max length (entries) per stream kind; kinds not given keep DEFAULT_MAXLEN or are unbounded."""
-    marker_ttl_s: PositiveInt = 21_600
-    """Lifetime (s) of the idempotency markers (done/sent); must outlive any redelivery."""
+    """Max length (entries) per stream kind: producers and commits wait while tasks/gen/traj are full, `dead`
+    and `shadow` keep their newest entries (dropped dead letters are counted); kinds not given keep
+    DEFAULT_MAXLEN or are unbounded."""
+    marker_ttl_s: PositiveInt | None = None
+    """Lifetime (s) of the idempotency markers; None: 2 x (max_deliveries + 1) x the lease, at least 300 s
+    (a copy of a message can arrive that long; ~90 B a marker, so rate x TTL x 90 B of memory)."""
     max_entry_bytes: PositiveInt = 16 * 1024 * 1024
     """Largest encoded entry accepted by the codec (bytes)."""
 
