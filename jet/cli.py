@@ -22,6 +22,7 @@ from jet.cliopts import LazyGroup, setup_logging
         "status": ("jet.status:cli", "Show every stream of a run: length, pending, lag, consumers."),
         "dlq": ("jet.status:dlq", "List, requeue or drop dead letters."),
         "up": ("jet.up:cli", "Run everything on this machine (embedded Redis + roles)."),
+        "init": ("jet.starter:cli", "Write a starter project (config, OpenAI-SDK agent, dataset) to a folder."),
         "gateway": ("jet.workers.gateway:cli", "OpenAI-compatible API whose calls are recorded in their episodes."),
         "feed": ("jet.feed:cli", "Keep the task streams of a config topped up from their datasets."),
         "dash": ("jet.dash.server:cli", "Live web dashboard (swarm, training, episodes, studies) and /metrics."),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import click
 
@@ -27,13 +27,20 @@ run_dir_option = click.option("--run-dir", default=".jet", show_default=True,
                               help="Where the embedded server keeps its data and server.json.")
 
 
+def default_config() -> str:
+    """The config `--config` reads when not given: the one shipped in the package (any folder works)."""
+    from jet.config import default_config_path
+
+    return str(default_config_path())
+
+
 def config_options(reads: str):
-    """`--config` (default configs/default.yaml, or $JET_CONFIG) and repeatable `--set KEY=VALUE`;
+    """`--config` (default: $JET_CONFIG, else the packaged default config) and repeatable `--set KEY=VALUE`;
     `reads` names the sections the command uses, for the help text."""
     def decorate(f):
         f = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")(f)
-        return click.option("--config", "config_path", default="configs/default.yaml", show_default=True,
-                            envvar="JET_CONFIG", type=click.Path(dir_okay=False),
+        return click.option("--config", "config_path", default=default_config, envvar="JET_CONFIG",
+                            show_default="packaged jet/configs/default.yaml", type=click.Path(dir_okay=False),
                             help=f"Experiment config ({reads}).")(f)
     return decorate
 
@@ -47,6 +54,19 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()):
         return load_file(path, overrides)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+
+
+def require_models(cfg, path: str, names: Iterable[str] | None = None) -> None:
+    """Each model named (every model when None) has a model directory at its path, else a one-line CLI
+    error naming `models[i].path`: a role that loads a model calls this first, so a wrong path is not a
+    traceback from transformers."""
+    from jet.config import check_models
+    from jet.errors import ConfigError
+
+    try:
+        check_models(cfg, names)
+    except ConfigError as e:
+        raise click.ClickException(f"{path}: {e}") from None
 
 
 def resolve_url(url: str | None, run_dir: str = ".jet") -> str:

@@ -1,29 +1,29 @@
-"""Generic machinery behind `jet.config`: dataclass sections loaded from YAML.
+"""The glue between YAML, pydantic and Jet's one-line config errors.
 
-A config section is a plain `@dataclass(frozen=True, slots=True)`; `load` builds
-one from the dict YAML gives, field by field, following the type hints (nested
-sections, `list[...]`, `dict[str, ...]`, `tuple[...]`, `X | None`, `Literal`).
-It is strict: unknown keys, wrong types and missing required keys raise
-`ConfigError` whose message starts with the offending path, e.g.
-`tasks[0].weight: expected float, got 'x'`. What this module is not: it knows
-nothing of Jet's schema (that is `jet.config`) and imports only pyyaml.
+What it is: `Section`, the base of every config section (a pydantic v2 model:
+frozen, unknown keys forbidden, strict: no `'1'` -> 1, a bool is neither an int
+nor a literal 1, an int is taken for a float and stored as one; a section given
+as null takes its defaults); `validate`, which reports pydantic's first error as
+one `ConfigError` starting with the path (`tasks[0].weight: expected float, got
+'x'`); the YAML reader (YAML 1.2 floats, no duplicate keys) and `--set a.b=v`
+overrides, whose key path is checked against the schema as it is walked. What
+it is not: the schema (`jet.config`) or the checks (pydantic's).
 
-Invariants: every error raised on purpose is a `ConfigError` carrying `.key`
-(the path) and `.reason`; `load(cls, dump(x)) == x` for any section `x`.
+Invariants: every error raised on purpose is a `ConfigError` carrying `.file`,
+`.key` (the path) and `.reason`; `validate(cls, dump(x)) == x` for any section.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
 import re
 import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
 
+import pydantic
 import yaml
+from pydantic_core import PydanticCustomError
 
 from jet.errors import ConfigError
 
@@ -34,8 +34,6 @@ SECRET_KEYS = {
     "password": "put it in JET_REDIS_URL (redis://:PASSWORD@host:port) in the environment",
 }
 
-_MISSING = dataclasses.MISSING
-
 
 def invalid(key: str, reason: str, file: str = "") -> ConfigError:
     """The one way to build an error: message `"[<file>: ]<key>: <reason>"`, parts kept as attributes."""
@@ -44,13 +42,16 @@ def invalid(key: str, reason: str, file: str = "") -> ConfigError:
     return err
 
 
+def problem(key: str, reason: str) -> PydanticCustomError:
+    """What a validator raises; `key` is relative to the value validated (`"maxlen.taks"`, `"[0].model"`)."""
+    return PydanticCustomError("jet", "{reason}", {"key": key, "reason": reason})
+
+
 def join(path: str, key: str | int) -> str:
     """`join("tasks", 0) == "tasks[0]"`, `join("tasks[0]", "name") == "tasks[0].name"`."""
     if isinstance(key, int):
         return f"{path}[{key}]"
-    if not path or key.startswith("["):
-        return f"{path}{key}"
-    return f"{path}.{key}"
+    return f"{path}{key}" if not path or not key or key.startswith("[") else f"{path}.{key}"
 
 
 def _show(value: Any) -> str:
@@ -58,172 +59,153 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# ---- checks for __post_init__ (they raise with the field name; load prefixes the section path)
+class _Meta(type(pydantic.BaseModel)):
+    # `TrainerConfig(lr=-1.0)` raises the ConfigError a file would; pydantic builds nested sections
+    # without calling the class, so only direct calls come through here.
+    def __call__(cls, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except pydantic.ValidationError as err:
+            raise translate(err, cls) from None
 
 
-def require(ok: bool, key: str, reason: str) -> None:
-    if not ok:
-        raise invalid(key, reason)
+class Section(pydantic.BaseModel, metaclass=_Meta):
+    """A config section; the docstring under each field is its description."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True,
+                                       ser_json_inf_nan="constants")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _before(cls, data: Any) -> Any:
+        if data is None:  # `trainer:` with every line commented out
+            return {}
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name) if isinstance(name, str) else None
+            tp = _plain(field.annotation) if field else None
+            # True == 1 in Python, not in a config: a literal must match in type too.
+            if get_origin(tp) is Literal and not any(value == c and type(value) is type(c) for c in get_args(tp)):
+                raise problem(name, f"expected {_type_name(tp)}, got {_show(value)}")
+            if get_origin(tp) is tuple and isinstance(value, list):  # YAML has lists, not tuples
+                out[name] = tuple(value)
+        return out
 
 
-def positive(section: Any, *names: str) -> None:
-    """Each named field must be > 0."""
-    for name in names:
-        value = getattr(section, name)
-        require(value > 0, name, f"must be > 0, got {_show(value)}")
+def validate(cls: type[Section], data: Any, path: str = "") -> Any:
+    """`cls` built from `data` (as YAML gives it), or one ConfigError naming the path under `path`."""
+    _no_secrets(data, path)
+    try:
+        return cls.model_validate(data)
+    except pydantic.ValidationError as err:
+        raise translate(err, cls, path) from None
 
 
-def non_negative(section: Any, *names: str) -> None:
-    """Each named field must be >= 0."""
-    for name in names:
-        value = getattr(section, name)
-        require(value >= 0, name, f"must be >= 0, got {_show(value)}")
+def dump(section: Section) -> dict:
+    """A section as plain dicts, lists and scalars, ready for YAML."""
+    return section.model_dump(mode="json")
 
 
-# ---- loading
+def _no_secrets(data: Any, path: str) -> None:
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        if key in SECRET_KEYS and isinstance(data, dict):
+            raise invalid(join(path, key), f"secrets do not belong in config files; {SECRET_KEYS[key]}")
+        _no_secrets(value, join(path, key if isinstance(data, list) else str(key)))
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def translate(err: pydantic.ValidationError, cls: type, path: str = "") -> ConfigError:
+    """pydantic's first error (an unknown key before the rest: a typo explains a missing key) as one line."""
+    e = min(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    kind, ctx, value, loc = e["type"], e.get("ctx") or {}, e.get("input"), e["loc"]
+    where, above, tp, parent = path, path, cls, None
+    for i, part in enumerate(loc):
+        if part == "[key]":
+            return invalid(where, f"keys must be strings, got {_show(value)}")
+        if get_origin(tp) in (Union, types.UnionType) and len(_options(tp)) > 1:  # the member pydantic tried
+            if i == len(loc) - 1:
+                break
+            tp = next((a for a in get_args(tp) if getattr(a, "__name__", None) == part), Any)
+            continue
+        index = get_origin(_plain(tp)) in (list, tuple)  # only lists take [i]; a dict's 1 is .1
+        parent, above, tp, where = tp, where, _child(tp, part), join(where, part if index else str(part))
+    if kind == "jet":
+        return invalid(join(where, ctx["key"]), ctx["reason"])
+    if kind == "missing" and get_origin(_plain(parent)) is tuple:
+        return invalid(above, f"expected a list of {len(get_args(_plain(parent)))} items, got {len(value)}")
+    if tp is float and type(value) is int:
+        value = float(value)
+    for bound, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+        if bound in ctx and kind.startswith(("greater", "less")):
+            return invalid(where, f"must be {op} {ctx[bound]:g}, got {_show(value)}")
+    reason = {
+        "missing": "missing required key",
+        "invalid_key": f"keys must be strings, got {_show(loc[-1] if loc else value)}",
+        "extra_forbidden": "unknown key" + hint(str(loc[-1]), getattr(_plain(parent), "model_fields", ())),
+        "string_too_short": "must not be empty",
+        "too_long": f"expected a list of {ctx.get('max_length')} items, got {ctx.get('actual_length')}",
+        "value_error": str(ctx.get("error")),
+    }.get(kind)
+    if reason is None:
+        reason = f"expected {_type_name(tp)}, got {_show(value)}" if tp is not Any else f"{e['msg']}: {_show(value)}"
+    return invalid(where, reason)
 
 
-def _fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.init]
+def hint(key: str, names: Iterable[str]) -> str:
+    """` (did you mean 'lr'?)` for the closest of `names`, or ''."""
+    close = difflib.get_close_matches(key, list(names), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---- walking the schema (type hints of the sections)
+
+
+def _options(tp: Any) -> list:
+    return [a for a in get_args(tp) if a is not type(None)]
+
+
+def _plain(tp: Any) -> Any:
+    """`tp` without Annotated metadata and without `| None`."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _plain(get_args(tp)[0])
+    if origin in (Union, types.UnionType) and len(_options(tp)) == 1:
+        return _plain(_options(tp)[0])
+    return tp
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, pydantic.BaseModel)
+
+
+def _child(tp: Any, key: str | int) -> Any:
+    """The type found under `key` in a value of type `tp` (Any when the schema does not say)."""
+    tp = _plain(tp)
+    origin, args = get_origin(tp), get_args(tp)
+    if _is_section(tp):
+        field = tp.model_fields.get(key) if isinstance(key, str) else None
+        return field.annotation if field else Any
+    if origin is dict:
+        return args[1]
+    if origin is list or (origin is tuple and args[-1:] == (Ellipsis,)):
+        return args[0]
+    return args[key] if origin is tuple and isinstance(key, int) and key < len(args) else Any
 
 
 def _type_name(tp: Any) -> str:
-    if tp in (int, float, str, bool):
-        return tp.__name__
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp) or origin is dict:
+    tp = _plain(tp)
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in get_args(tp))
+    if origin is dict or _is_section(tp):
         return "a mapping"
     if origin in (list, tuple):
         return "a list"
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+        return " or ".join(_type_name(a) for a in _options(tp))
     return getattr(tp, "__name__", str(tp))
-
-
-def _no_secret(key: Any, path: str) -> None:
-    if key in SECRET_KEYS:
-        raise invalid(join(path, key), f"secrets do not belong in config files; {SECRET_KEYS[key]}")
-
-
-def _check_key(cls: type, key: Any, path: str) -> dataclasses.Field:
-    """The field of `cls` named `key`, or a ConfigError for secrets and unknown keys."""
-    if not isinstance(key, str):
-        raise invalid(join(path, str(key)), f"keys must be strings, got {_show(key)}")
-    _no_secret(key, path)
-    fields = {f.name: f for f in _fields(cls)}
-    if key not in fields:
-        close = difflib.get_close_matches(key, list(fields), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise invalid(join(path, key), f"unknown key{hint}")
-    return fields[key]
-
-
-def load(cls: type, data: Any, path: str = "") -> Any:
-    """Build the dataclass `cls` from `data` (a dict, as YAML gives it), validating everything.
-
-    `path` is where `data` sits in the whole config, used in error messages. A
-    section given as None (`trainer:` with every line commented out) takes its
-    defaults.
-    """
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise invalid(path, f"expected a mapping, got {_show(data)}")
-    hints = _hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        field = _check_key(cls, key, path)
-        kwargs[key] = _convert(hints[field.name], value, join(path, key))
-    for field in _fields(cls):
-        if field.name not in kwargs and field.default is _MISSING and field.default_factory is _MISSING:
-            raise invalid(join(path, field.name), "missing required key")
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:  # raised by __post_init__ with a key relative to this section
-        key = getattr(err, "key", None)
-        if key is None:
-            raise invalid(path, str(err)) from None
-        raise invalid(join(path, key), err.reason) from None
-    except (ValueError, TypeError) as err:
-        raise invalid(path, str(err)) from None
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    """`value` checked against (and, for sections, lists and tuples, built as) type `tp`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return load(tp, value, path)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        for option in options[:-1]:
-            try:
-                return _convert(option, value, path)
-            except ConfigError:
-                pass
-        try:
-            return _convert(options[-1], value, path)
-        except ConfigError as err:
-            if len(options) == 1 or err.key != path:
-                raise
-            raise invalid(path, f"expected {_type_name(tp)}, got {_show(value)}") from None
-    if origin is Literal:
-        # `type(...) is` so that True is not taken for 1, nor 1 for 1.0.
-        if any(value == c and type(value) is type(c) for c in args):
-            return value
-        choices = ", ".join(repr(c) for c in args)
-        raise invalid(path, f"expected one of {choices}, got {_show(value)}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise invalid(path, f"expected a list, got {_show(value)}")
-        return [_convert(args[0], v, join(path, i)) for i, v in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise invalid(path, f"expected a list, got {_show(value)}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, join(path, i)) for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise invalid(path, f"expected a list of {len(args)} items, got {len(value)}")
-        return tuple(_convert(a, v, join(path, i)) for i, (a, v) in enumerate(zip(args, value)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise invalid(path, f"expected a mapping, got {_show(value)}")
-        out = {}
-        for k, v in value.items():
-            _no_secret(k, path)
-            out[_convert(args[0], k, join(path, str(k)))] = _convert(args[1], v, join(path, str(k)))
-        return out
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp in (str, bool):
-        if type(value) is tp:
-            return value
-    else:
-        raise TypeError(f"{path}: configlib cannot load fields of type {tp!r}")
-    raise invalid(path, f"expected {tp.__name__}, got {_show(value)}")
-
-
-def dump(section: Any) -> Any:
-    """A section as plain dicts, lists and scalars (tuples become lists), ready for YAML."""
-    if dataclasses.is_dataclass(section) and not isinstance(section, type):
-        return {f.name: dump(getattr(section, f.name)) for f in _fields(type(section))}
-    if isinstance(section, (list, tuple)):
-        return [dump(v) for v in section]
-    if isinstance(section, dict):
-        return {k: dump(v) for k, v in section.items()}
-    return section
 
 
 # ---- YAML files and --set overrides
@@ -237,9 +219,7 @@ class _Loader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -262,30 +242,24 @@ def read_yaml(path: str | Path) -> dict:
     """The mapping in a YAML file; errors name the file (and the line when the YAML is malformed)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
     except FileNotFoundError:
         raise invalid("", "no such config file", str(path)) from None
     except OSError as err:
         raise invalid("", f"cannot read config file: {err.strerror or err}", str(path)) from None
-    try:
-        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(err, "problem", None) or str(err)
-        raise invalid("", f"invalid YAML: {problem}", where) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
+        raise invalid("", f"invalid YAML: {getattr(err, 'problem', None) or err}", where) from None
+    if data is not None and not isinstance(data, dict):
         raise invalid("", f"expected a mapping at the top level, got {type(data).__name__}", str(path))
-    return data
+    return data or {}
 
 
 def parse_override(text: str) -> tuple[list[str | int], Any]:
     """`"tasks.0.weight=2"` (or `tasks[0].weight=2`) -> `(["tasks", 0, "weight"], 2)`."""
     key, sep, raw = text.partition("=")
-    key = re.sub(r"\[(\d+)\]", r".\1", key.strip())
-    parts = key.split(".")
+    parts = re.sub(r"\[(\d+)\]", r".\1", key.strip()).split(".")
     if not sep or not all(parts):
         raise invalid(f"--set {text}", "expected KEY=VALUE, e.g. trainer.lr=1e-5 or tasks.0.weight=2")
     try:
@@ -295,17 +269,17 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     return [int(p) if p.isdigit() else p for p in parts], value
 
 
-def apply_overrides(cls: type, data: dict, overrides: typing.Iterable[str]) -> dict:
+def apply_overrides(cls: type, data: dict, overrides: Iterable[str]) -> dict:
     """`data` (modified in place, and returned) with each `a.b.c=value` override set.
 
     The key path is checked against the schema of `cls` as it is walked, so a typo
-    names the path; the value itself is type-checked later, by `load`.
+    names the path; the value itself is type-checked later, by `validate`.
     """
     for text in overrides:
         parts, value = parse_override(text)
         node, tp, path = data, cls, ""
         for i, part in enumerate(parts):
-            tp, part = _step(_unwrap_optional(tp), node, part, path)
+            tp, part = _step(_plain(tp), node, part, path)
             path = join(path, part)
             if i == len(parts) - 1:
                 node[part] = value
@@ -318,14 +292,16 @@ def apply_overrides(cls: type, data: dict, overrides: typing.Iterable[str]) -> d
 
 def _step(tp: Any, node: Any, part: str | int, path: str) -> tuple[Any, str | int]:
     """One key of an override path: the type found under `part` in `tp`, and the key to use in `node`."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp) or origin is dict:
+    origin = get_origin(tp)
+    if _is_section(tp) or origin is dict:
+        part = str(part)
         if not isinstance(node, dict):
             raise invalid(path, f"is not a mapping in the config file (it is {_show(node)})")
-        if dataclasses.is_dataclass(tp):
-            return _hints(tp)[_check_key(tp, str(part), path).name], str(part)
-        _no_secret(part, path)
-        return typing.get_args(tp)[1], str(part)
+        if part in SECRET_KEYS:
+            raise invalid(join(path, part), f"secrets do not belong in config files; {SECRET_KEYS[part]}")
+        if _is_section(tp) and part not in tp.model_fields:
+            raise invalid(join(path, part), "unknown key" + hint(part, tp.model_fields))
+        return _child(tp, part), part
     if origin in (list, tuple):
         if not isinstance(part, int):
             raise invalid(join(path, part), f"{path} is a list: use an index, e.g. {path}.0.{part}")
@@ -333,21 +309,8 @@ def _step(tp: Any, node: Any, part: str | int, path: str) -> tuple[Any, str | in
             raise invalid(path, "is not a list in the config file: set the whole list instead")
         if part >= len(node):
             raise invalid(join(path, part), f"index out of range: {path} has {len(node)} item(s)")
-        args = typing.get_args(tp)
-        if origin is list or args[-1] is Ellipsis:
-            return args[0], part
-        if part >= len(args):
-            raise invalid(join(path, part), f"index out of range: {path} takes {len(args)} item(s)")
-        return args[part], part
+        return _child(tp, part), part
     raise invalid(join(path, part), f"{path} is {_type_name(tp)}, not a section")
-
-
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(options) == 1:
-            return options[0]
-    return tp
 
 
 def write_yaml(data: dict, path: str | Path, header: str = "") -> Path:

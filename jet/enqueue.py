@@ -5,25 +5,34 @@ group). Rows come from a JSONL file (one JSON object a line) or a built-in
 dataset (`jet.tasks.dataset`). Writes go through the bounded `Producer`
 with dedup markers, so a full stream makes enqueue wait (never drop) and a
 retried batch never adds a task twice.
+
+Invariant: a file is validated whole before anything is written: every
+non-blank line must be a JSON object whose task entry fits the entry limit
+(`queues.max_entry_bytes`); the first that does not is an error naming the
+file, the line and why, and the stream is left untouched. What was written is
+said exactly: tasks, rows, group size and stream (and, when Redis fails
+midway, how many went in before it did).
 """
 
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import click
 import orjson
 
-from jet.cliopts import DEFAULT_RUN, load_config, redis_url_option, resolve_url, run_dir_option, run_jet, run_option
-from jet.errors import ConfigError
+from jet.cliopts import DEFAULT_RUN, load_config, redis_url_option, resolve_url, run_dir_option, run_option
+from jet.errors import CodecError, ConfigError, JetError
 from jet.keys import Keys, check_name
 from jet.wire import Task
 
+SEND_CHUNK = 100  # tasks per Producer.send: one atomic PRODUCE call unless the stream is full
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Rows of a JSONL file; a bad line raises ConfigError naming file and line."""
+
+def numbered_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of each non-blank line of a JSONL file; a bad line raises ConfigError naming it."""
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -34,16 +43,12 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
                 raise ConfigError(f"{path}:{n}: not valid JSON: {e}") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
-            yield row
+            yield n, row
 
 
-def load_rows(file: str | None, dataset: str | None, n: int | None, seed: int) -> list[dict]:
-    if file:
-        rows = list(read_jsonl(file))
-        return rows[:n] if n else rows
-    from jet.tasks import dataset as builtin
-
-    return builtin(dataset, n=n or 100, seed=seed)
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    """Rows of a JSONL file; a bad line raises ConfigError naming file and line."""
+    return (row for _, row in numbered_rows(path))
 
 
 def tasks_for(task: str, rows: list[dict], group_size: int) -> list[Task]:
@@ -54,7 +59,33 @@ def tasks_for(task: str, rows: list[dict], group_size: int) -> list[Task]:
     return out
 
 
-async def enqueue(url: str, run: str, task: str, tasks: list[Task], maxlen: int, progress=None) -> int:
+def encode_rows(task: str, rows: list[tuple[str, dict]], group_size: int, max_bytes: int,
+                keep: int | None = None) -> list[dict]:
+    """The entries of the `group_size` tasks of each of the first `keep` rows (all by default); later rows
+    are checked (one task each) but not kept. `rows` are (where, row), `where` naming the row
+    (`file:line`); a row whose entry cannot be encoded or exceeds `max_bytes` is a ConfigError naming it."""
+    from jet.queues.codec import entry_size
+
+    entries = []
+    for i, (where, row) in enumerate(rows):
+        kept = keep is None or i < keep
+        for t in tasks_for(task, [row], group_size if kept else 1):
+            try:
+                fields = t.to_fields()
+            except CodecError as e:
+                raise ConfigError(f"{where}: cannot be written as a task: {e}") from None
+            size = entry_size(fields)
+            if size > max_bytes:
+                raise ConfigError(f"{where}: its task entry is {size} bytes, over the entry limit "
+                                  f"queues.max_entry_bytes ({max_bytes}); nothing was written")
+            if kept:
+                entries.append(fields)
+    return entries
+
+
+async def write(url: str, run: str, task: str, entries: list[dict], maxlen: int,
+                progress: Callable[[int], None] | None = None) -> int:
+    """Send encoded task entries to tasks:<task>; `progress(k)` after each k sent."""
     from jet.queues.connect import connect
     from jet.queues.producer import Producer
 
@@ -62,14 +93,33 @@ async def enqueue(url: str, run: str, task: str, tasks: list[Task], maxlen: int,
     r = await connect(url)
     try:
         prod = Producer(r, url, keys, keys.tasks(task), maxlen=maxlen, dedup=True)
-        for i in range(0, len(tasks), 500):
-            chunk = tasks[i:i + 500]
-            await prod.send([t.to_fields() for t in chunk])
+        for i in range(0, len(entries), SEND_CHUNK):
+            chunk = entries[i:i + SEND_CHUNK]
+            await prod.send(chunk)
             if progress:
                 progress(len(chunk))
     finally:
         await r.aclose()
-    return len(tasks)
+    return len(entries)
+
+
+async def enqueue(url: str, run: str, task: str, tasks: list[Task], maxlen: int, progress=None) -> int:
+    """Send Tasks to tasks:<task> (what `jet feed` and `jet up` top up with); returns how many."""
+    return await write(url, run, task, [t.to_fields() for t in tasks], maxlen, progress)
+
+
+def _rows(file: str | None, dataset: str | None, n: int | None, seed: int) -> tuple[list[tuple[str, dict]], int, str]:
+    """Every row (with where it comes from: a file is checked whole), how many to take, and where from."""
+    if file:
+        rows = [(f"{file}:{line}", row) for line, row in numbered_rows(file)]
+        if not rows:
+            raise ConfigError(f"{file}: no rows (every line is blank)")
+        taken = min(n, len(rows)) if n else len(rows)
+        return rows, taken, f"from {file}" + (f" (first {taken} of {len(rows)} rows)" if taken < len(rows) else "")
+    from jet.tasks import dataset as builtin
+
+    rows = builtin(dataset, n=n or 100, seed=seed)
+    return [(f"dataset {dataset!r} row {i}", r) for i, r in enumerate(rows)], len(rows), f"from dataset {dataset!r}"
 
 
 @click.command("enqueue")
@@ -91,6 +141,7 @@ def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redi
         check_name("task", task)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="TASK") from None
+    cfg = None
     if config_path:
         cfg = load_config(config_path)
         try:
@@ -107,16 +158,29 @@ def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redi
     if group_size is not None and group_size < 1:
         raise click.UsageError("--group-size must be >= 1")
     url = resolve_url(redis_url, run_dir)
+    group_size = group_size or 4
+    from jet.queues.codec import DEFAULT_MAX_BYTES
+
+    max_bytes = cfg.queues.max_entry_bytes if config_path else DEFAULT_MAX_BYTES
     try:
-        rows = load_rows(file, dataset, n, seed)
+        rows, taken, source = _rows(file, dataset, n, seed)
+        entries = encode_rows(task, rows, group_size, max_bytes, keep=taken)
     except (ConfigError, KeyError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    tasks = tasks_for(task, rows, group_size or 4)
+    import anyio
     from rich.progress import Progress
 
+    stream, sent = Keys(run or DEFAULT_RUN).tasks(task), [0]
     with Progress(transient=True) as bar:
-        tid = bar.add_task(f"tasks:{task}", total=len(tasks))
-        count = run_jet(enqueue, url, run or DEFAULT_RUN, task, tasks, maxlen,
-                        lambda k: bar.advance(tid, k))
-    click.echo(f"enqueued {count} tasks ({len(rows)} rows x {group_size or 4}) to "
-               f"{Keys(run or DEFAULT_RUN).tasks(task)}")
+        tid = bar.add_task(f"tasks:{task}", total=len(entries))
+
+        def progress(k: int) -> None:
+            sent[0] += k
+            bar.advance(tid, k)
+
+        try:
+            anyio.run(write, url, run or DEFAULT_RUN, task, entries, maxlen, progress)
+        except JetError as e:
+            raise click.ClickException(f"{e}; {sent[0]} of {len(entries)} tasks had been written to {stream} "
+                                       "(the rest were not)") from None
+    click.echo(f"enqueued {len(entries)} tasks ({taken} rows x {group_size}) to {stream} {source}")

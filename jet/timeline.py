@@ -49,13 +49,11 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Iterable, Literal, Sequence
 
-from jet.errors import CodecError
 
 Mode = Literal["none", "exact", "tree"]
 MODES: tuple[str, ...] = ("none", "exact", "tree")
-KIND = "sample"
 
 
 def _f32(values: Iterable[float]) -> tuple[float, ...]:
@@ -115,7 +113,8 @@ class Sample:
 
     Per-token columns, all of one length. Where mask is 0 the behaviour fields
     are unset: logprob 0.0, version -1, episode -1, temperature 1.0, top_p 1.0
-    (the mask says which are valid). On the wire the mask is not sent: it is
+    (the mask says which are valid). On the wire (a Trajectory's samples,
+`jet.wire`, the one layout) the mask is not sent: it is
     `version >= 0`; the sampling columns are sent only when some token was
     drawn with temperature or top_p other than 1, so a sample without them
     (an older sender's) decodes as temperature 1, top_p 1. Left empty in the
@@ -164,62 +163,6 @@ class Sample:
         for p in self.parents:
             depth.append(0 if p < 0 else depth[p] + 1)
         return tuple(depth)
-
-    def encode(self, *, msg_id: str | None = None) -> dict[bytes, bytes]:
-        """Field map for a stream entry: 12 bytes a token for a linear one-episode sample."""
-        meta = {
-            "model": self.model,
-            "agents": list(self.agents),
-            "episode_ids": list(self.episode_ids),
-            "rewards": list(self.rewards),
-            "n": len(self.tokens),
-        }
-        ints: dict[str, Sequence[int]] = {"tokens": self.tokens, "versions": self.versions}
-        if not self.is_linear:
-            ints["parents"] = self.parents
-        if len(self.episode_ids) > 1:
-            ints["episodes"] = self.episodes
-        floats: dict[str, Sequence[float]] = {"logprobs": self.logprobs}
-        if not self.default_sampling:
-            floats.update(temperatures=self.temperatures, top_ps=self.top_ps)
-        from jet.queues import codec
-
-        return codec.encode(KIND, meta, ints=ints, floats=floats, msg_id=msg_id)
-
-    @classmethod
-    def decode(cls, fields: Mapping[bytes, bytes]) -> "Sample":
-        """Inverse of `encode`; raises CodecError on anything malformed."""
-        from jet.queues import codec
-
-        p = codec.decode(fields)
-        if p.kind != KIND:
-            raise CodecError(f"expected a {KIND!r} entry, got {p.kind!r}")
-        try:
-            return _sample_from_payload(p.meta, p.arrays)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CodecError(f"malformed sample: {e}") from None
-
-
-def _sample_from_payload(meta: dict[str, Any], arrays: Mapping[str, array]) -> Sample:
-    n = int(meta["n"])
-    versions = tuple(arrays["versions"])
-    mask = tuple(int(v >= 0) for v in versions)
-    parents = tuple(arrays["parents"]) if "parents" in arrays else tuple(range(-1, n - 1))
-    episodes = tuple(arrays["episodes"]) if "episodes" in arrays else tuple(m - 1 for m in mask)
-    return Sample(
-        tokens=tuple(arrays["tokens"]),
-        parents=parents,
-        mask=mask,
-        logprobs=tuple(arrays["logprobs"]),
-        versions=versions,
-        episodes=episodes,
-        model=str(meta["model"]),
-        agents=tuple(str(a) for a in meta["agents"]),
-        episode_ids=tuple(str(e) for e in meta["episode_ids"]),
-        rewards=tuple(float(r) for r in meta["rewards"]),
-        temperatures=tuple(arrays["temperatures"]) if "temperatures" in arrays else (),
-        top_ps=tuple(arrays["top_ps"]) if "top_ps" in arrays else (),
-    )
 
 
 def _check_sample(s: Sample) -> None:

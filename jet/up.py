@@ -56,17 +56,17 @@ def roles_for(cfg: JetConfig, config_path: str, overrides: tuple[str, ...], env_
 
 
 def ensure_models(cfg: JetConfig) -> list[str]:
-    """Build missing tiny models that live under .jet/models; other missing paths are errors."""
-    built = []
-    for i, m in enumerate(cfg.models):
-        if (Path(m.path) / "config.json").is_file():
-            continue
-        if DEFAULT_MODEL_HOME not in Path(m.path).as_posix():
-            raise ConfigError(f"models[{i}].path: no model directory at {m.path!r}")
-        from jet.models import init_model
+    """Build missing tiny models that live under .jet/models; other missing paths are errors naming the key."""
+    from jet.config import check_models
 
-        init_model(m.path, seed=cfg.trainer_of(m.name).seed)  # a model's own trainer.seed: teams differ
-        built.append(m.path)
+    built = []
+    for m in cfg.models:
+        if not (Path(m.path) / "config.json").is_file() and DEFAULT_MODEL_HOME in Path(m.path).as_posix():
+            from jet.models import init_model
+
+            init_model(m.path, seed=cfg.trainer_of(m.name).seed)  # a model's own trainer.seed: teams differ
+            built.append(m.path)
+    check_models(cfg)
     return built
 
 
@@ -101,7 +101,7 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
         for path in ensure_models(cfg):
             click.echo(f"built tiny model at {path}", err=True)
     except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(f"{config_path}: {e}") from None
     write_resolved(cfg, run_path)
     server = None
     if not redis_url:

@@ -2,8 +2,10 @@
 
 Each type encodes to an entry field map with `to_fields()` and decodes with
 `from_payload(payload)`; the layout (schema version, orjson metadata, raw
-int32/float32 arrays) is `jet.queues.codec`'s. Decoding validates and raises
-`CodecError` only, which consumers turn into a dead letter with the reason.
+int32/float32 arrays) is `jet.queues.codec`'s. Decoding validates the metadata
+against a msgspec schema per kind (strict types, the field named in the error)
+and raises `CodecError` only, which consumers turn into a dead letter with the
+reason.
 
 Messages are facts:
 - `Task`: a unit of rollout work (one member of a GRPO group, one attempt);
@@ -20,9 +22,12 @@ retried request harmless, and a GenResult names the request it answers.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from jet.errors import CodecError
 from jet.queues import codec
@@ -31,27 +36,84 @@ from jet.timeline import Sample
 FINISH_REASONS = ("stop", "length", "error")
 
 
-def _require(meta: dict, key: str, typ: type | tuple[type, ...], kind: str) -> Any:
-    value = meta.get(key)
-    if not isinstance(value, typ) or isinstance(value, bool) and typ is int:
-        raise CodecError(f"{kind}: field {key!r} must be {getattr(typ, '__name__', typ)}, got {value!r}")
-    return value
+# The metadata of each message kind as a msgspec schema: strict types (a bool is no int, a string no
+# number; an int is accepted where a float is asked), None where an optional field is absent. Token
+# arrays are not here: they travel as raw int32/float32 fields (`jet.queues.codec`).
 
 
-def _optional(meta: dict, key: str, typ: type | tuple[type, ...], kind: str, default: Any = None) -> Any:
-    return default if meta.get(key) is None else _require(meta, key, typ, kind)
+class _TaskMeta(msgspec.Struct):
+    task: str
+    row: dict[str, Any]
+    group_id: str
+    index: int
+    group_size: int
+    attempt: int | None = None
 
 
-def _number(meta: dict, key: str, kind: str, default: float | None = None) -> float:
-    value = meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CodecError(f"{kind}: field {key!r} must be a number, got {value!r}")
-    return float(value)
+class _GenRequestMeta(msgspec.Struct):
+    reply_to: str
+    model: str
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop_token_ids: list[int]
+    episode_id: str | None = None
+    agent: str | None = None
+    seed: int | None = None
+    deadline: float | None = None
 
 
-def _expect_kind(payload: codec.Payload, kind: str) -> None:
-    if payload.kind != kind:
-        raise CodecError(f"expected a {kind!r} message, got {payload.kind!r}")
+class _GenResultMeta(msgspec.Struct):
+    request_id: str
+    model: str
+    finish_reason: str
+    version: int
+    error: str | None = None
+    worker: str | None = None
+
+
+class _WeightVersionMeta(msgspec.Struct):
+    model: str
+    version: int
+    path: str
+    sha256: str
+    step: int | None = None
+
+
+class _TrajectoryMeta(msgspec.Struct):
+    task: str
+    group_id: str
+    index: int
+    episode_id: str
+    model: str
+    group_size: int
+    attempt: int
+    failed: bool
+    retry: bool
+    meta: dict[str, Any]
+    samples: list[Any]
+    reward: Any = None
+    error: str | None = None
+    traceback: str | None = None
+
+
+_WHERE = re.compile(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$")
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`$")
+
+
+def _meta(p: codec.Payload, kind: str, schema: type[msgspec.Struct]):
+    """`p`'s metadata validated against `schema`; CodecError naming the field otherwise."""
+    if p.kind != kind:
+        raise CodecError(f"expected a {kind!r} message, got {p.kind!r}")
+    try:
+        return msgspec.convert(p.meta, schema)
+    except msgspec.ValidationError as e:
+        what, path = _WHERE.match(str(e)).groups()
+        missing = _MISSING.match(what)
+        if missing:
+            name = f"{path}.{missing.group(1)}" if path else missing.group(1)
+            raise CodecError(f"{kind}: missing required field {name!r}") from None
+        raise CodecError(f"{kind}: field {path!r}: {what[0].lower()}{what[1:]}") from None
 
 
 def _array(p: codec.Payload, name: str, kind: str) -> tuple:
@@ -81,12 +143,9 @@ class Task:
 
     @classmethod
     def from_payload(cls, p: codec.Payload) -> "Task":
-        _expect_kind(p, cls.KIND)
-        m = p.meta
-        return cls(task=_require(m, "task", str, cls.KIND), row=_require(m, "row", dict, cls.KIND),
-                   group_id=_require(m, "group_id", str, cls.KIND), index=_require(m, "index", int, cls.KIND),
-                   group_size=_require(m, "group_size", int, cls.KIND), msg_id=p.msg_id,
-                   attempt=_optional(m, "attempt", int, cls.KIND, 0))
+        m = _meta(p, cls.KIND, _TaskMeta)
+        return cls(task=m.task, row=m.row, group_id=m.group_id, index=m.index, group_size=m.group_size,
+                   msg_id=p.msg_id, attempt=m.attempt or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,17 +192,11 @@ class GenRequest:
 
     @classmethod
     def from_payload(cls, p: codec.Payload) -> "GenRequest":
-        _expect_kind(p, cls.KIND)
-        m, k = p.meta, cls.KIND
-        stops = _require(m, "stop_token_ids", list, k)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
-            raise CodecError(f"{k}: field 'stop_token_ids' must be a list of ints, got {stops!r}")
-        return cls(reply_to=_require(m, "reply_to", str, k), model=_require(m, "model", str, k),
-                   prompt_ids=_array(p, "prompt", k), episode_id=_optional(m, "episode_id", str, k, ""),
-                   agent=_optional(m, "agent", str, k, ""), temperature=_number(m, "temperature", k),
-                   top_p=_number(m, "top_p", k), max_tokens=_require(m, "max_tokens", int, k),
-                   stop_token_ids=tuple(stops), seed=_optional(m, "seed", int, k),
-                   deadline=_number(m, "deadline", k, 0.0), msg_id=p.msg_id)
+        m = _meta(p, cls.KIND, _GenRequestMeta)
+        return cls(reply_to=m.reply_to, model=m.model, prompt_ids=_array(p, "prompt", cls.KIND),
+                   episode_id=m.episode_id or "", agent=m.agent or "", temperature=m.temperature, top_p=m.top_p,
+                   max_tokens=m.max_tokens, stop_token_ids=tuple(m.stop_token_ids), seed=m.seed,
+                   deadline=m.deadline or 0.0, msg_id=p.msg_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +247,14 @@ class GenResult:
 
     @classmethod
     def from_payload(cls, p: codec.Payload) -> "GenResult":
-        _expect_kind(p, cls.KIND)
-        m, k = p.meta, cls.KIND
-        return cls(request_id=_require(m, "request_id", str, k), model=_require(m, "model", str, k),
-                   token_ids=_array(p, "tokens", k), logprobs=_array(p, "logprobs", k),
-                   finish_reason=_require(m, "finish_reason", str, k), version=_require(m, "version", int, k),
-                   error=_optional(m, "error", str, k), worker=_optional(m, "worker", str, k, ""),
+        m, k = _meta(p, cls.KIND, _GenResultMeta), cls.KIND
+        return cls(request_id=m.request_id, model=m.model, token_ids=_array(p, "tokens", k),
+                   logprobs=_array(p, "logprobs", k), finish_reason=m.finish_reason, version=m.version,
+                   error=m.error, worker=m.worker or "",
                    msg_id=p.msg_id)
+
+
+WEIGHTS_FILE = "model.safetensors"  # the weights file in a model or weights folder (trainer writes, backends load)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -232,11 +286,9 @@ class WeightVersion:
 
     @classmethod
     def from_payload(cls, p: codec.Payload) -> "WeightVersion":
-        _expect_kind(p, cls.KIND)
-        m, k = p.meta, cls.KIND
-        return cls(model=_require(m, "model", str, k), version=_require(m, "version", int, k),
-                   path=_require(m, "path", str, k), sha256=_require(m, "sha256", str, k),
-                   step=_optional(m, "step", int, k, 0), msg_id=p.msg_id)
+        m = _meta(p, cls.KIND, _WeightVersionMeta)
+        return cls(model=m.model, version=m.version, path=m.path, sha256=m.sha256, step=m.step or 0,
+                   msg_id=p.msg_id)
 
 
 Reward = float | dict[str, float]  # one number, or one per agent name
@@ -294,16 +346,11 @@ class Trajectory:
 
     @classmethod
     def from_payload(cls, p: codec.Payload) -> "Trajectory":
-        _expect_kind(p, cls.KIND)
-        m, k = p.meta, cls.KIND
-        model = _require(m, "model", str, k)
-        return cls(task=_require(m, "task", str, k), group_id=_require(m, "group_id", str, k),
-                   index=_require(m, "index", int, k), episode_id=_require(m, "episode_id", str, k),
-                   model=model, reward=m.get("reward"), samples=_samples(p, model),
-                   group_size=_require(m, "group_size", int, k), attempt=_require(m, "attempt", int, k),
-                   failed=_require(m, "failed", bool, k), retry=_require(m, "retry", bool, k),
-                   error=_optional(m, "error", str, k), traceback=_optional(m, "traceback", str, k),
-                   meta=_require(m, "meta", dict, k), msg_id=p.msg_id)
+        m = _meta(p, cls.KIND, _TrajectoryMeta)
+        return cls(task=m.task, group_id=m.group_id, index=m.index, episode_id=m.episode_id, model=m.model,
+                   reward=m.reward, samples=_samples(p, m.samples, m.model), group_size=m.group_size,
+                   attempt=m.attempt, failed=m.failed, retry=m.retry, error=m.error, traceback=m.traceback,
+                   meta=m.meta, msg_id=p.msg_id)
 
 
 def _check_reward(reward: Any, kind: str) -> None:
@@ -347,8 +394,7 @@ def _sample_arrays(samples: tuple[Sample, ...]) -> tuple[dict, dict]:
     return ints, floats
 
 
-def _samples(p: codec.Payload, model: str) -> tuple[Sample, ...]:
-    specs = _require(p.meta, "samples", list, Trajectory.KIND)
+def _samples(p: codec.Payload, specs: list, model: str) -> tuple[Sample, ...]:
     total = 0
     for spec in specs:
         if not isinstance(spec, dict) or not isinstance(spec.get("n"), int) or spec["n"] < 0:

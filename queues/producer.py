@@ -6,7 +6,9 @@ and the producer waits (trimming consumed entries safely first) for the rest.
 group (DESIGN.md delivery rule 4) except the best-effort ones
 (`jet.keys.BEST_EFFORT_GROUPS`: shadow env workers, whose episodes are never
 trained). With `dedup`, each message's id gets a
-marker in the same Lua call, so a retried batch cannot add an entry twice.
+marker in the same Lua call, so a retried batch cannot add an entry twice; the
+marker lives `marker_ttl_s` (default 10 minutes: a producer retries within
+seconds), so memory stays at rate x TTL x ~90 B.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Producer:
     """Adds entries to one bounded stream. `send` returns once all are in."""
 
     def __init__(self, r: aioredis.Redis, url: str, keys: Keys, stream: str, *, maxlen: int = 100_000,
-                 dedup: bool = False, marker_ttl_s: int = 21_600, batch: int = 100,
+                 dedup: bool = False, marker_ttl_s: int = 600, batch: int = 100,
                  max_wait_s: float | None = None):
         self.r, self.url, self.keys, self.stream = r, url, keys, stream
         self.maxlen, self.batch, self.max_wait_s = maxlen, batch, max_wait_s

@@ -89,7 +89,8 @@ def app(tmp_path):
 def run_service(name: str, app: Path, url: str) -> subprocess.Popen:
     svc = compose()["services"][name]
     argv = [sys.executable, "-m", "jet.cli", *svc["command"][1:]]
-    env = {**os.environ, "JET_REDIS_URL": url, "JET_CONFIG": svc["environment"]["JET_CONFIG"]}
+    env = {k: v for k, v in os.environ.items() if k != "JET_CONFIG"}  # the service's config or the packaged one
+    env.update({"JET_REDIS_URL": url, **{k: v for k, v in svc["environment"].items() if k == "JET_CONFIG"}})
     return subprocess.Popen(argv, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -11,10 +10,13 @@ import yaml
 
 from jet import config, configlib
 from jet.config import JetConfig, load, load_file
+from jet.configlib import Section
 from jet.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT = REPO / "configs" / "default.yaml"
+DEFAULT = config.default_config_path()
+SECTIONS = (JetConfig, config.QueueConfig, config.ModelConfig, config.TaskConfig, config.RuntimeConfig,
+            config.TrainerConfig)
 
 
 def minimal(**extra) -> dict:
@@ -42,12 +44,15 @@ def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
 # ---- the default config
 
 
-def test_default_config_loads_with_its_paths_resolved():
+def test_default_config_ships_in_the_package_and_loads_with_its_paths_resolved(tmp_path, monkeypatch):
+    assert DEFAULT == REPO / "jet" / "configs" / "default.yaml" and DEFAULT.is_file()
+    # A packaged config's relative paths resolve against the folder jet runs in, never the package's.
+    monkeypatch.chdir(tmp_path)
     cfg = load_file(DEFAULT)
     assert cfg.run == "demo"
     assert [m.name for m in cfg.models] == ["tiny"]
     assert cfg.models[0].backend == "hf"
-    assert cfg.models[0].path == str(REPO / ".jet" / "models" / "tiny")
+    assert cfg.models[0].path == str(tmp_path / ".jet" / "models" / "tiny")
     (task,) = cfg.tasks
     assert (task.name, task.workflow, task.dataset, task.group_size, task.model) == (
         "guess", "jet.tasks.guess:workflow", "guess", 4, "tiny")
@@ -55,22 +60,27 @@ def test_default_config_loads_with_its_paths_resolved():
     assert cfg.run_dir == Path("runs") / "demo"
 
 
-def test_defaults_are_valid_and_every_field_has_a_comment():
+def test_defaults_are_valid_and_every_field_has_a_description():
     cfg = load({})
     assert cfg == JetConfig()
     assert cfg.trainer.lr == 1e-5 and cfg.queues.max_entry_bytes == 16 * 1024 * 1024
-    source = (REPO / "jet" / "config.py").read_text().splitlines()
-    for cls in (JetConfig, config.QueueConfig, config.ModelConfig, config.TaskConfig,
-                config.RuntimeConfig, config.TrainerConfig):
-        for f in dataclasses.fields(cls):
-            (i,) = [i for i, line in enumerate(source) if re.match(rf"\s+{f.name}: ", line)
-                    and _in_class(source, i, cls.__name__)]
-            assert source[i - 1].strip().startswith("# ") or "  # " in source[i], (cls.__name__, f.name)
+    for cls in SECTIONS:
+        assert cls.model_fields, cls
+        for name, f in cls.model_fields.items():
+            # the docstring under the field: what it does, ending with its unit or choices
+            assert f.description and len(f.description) > 20 and f.description.endswith((".", ")")), (cls, name)
 
 
-def _in_class(source: list[str], i: int, name: str) -> bool:
-    heads = [line for line in source[:i] if line.startswith("class ")]
-    return bool(heads) and heads[-1].startswith(f"class {name}")
+def test_sections_are_frozen_and_strict():
+    cfg = load({"trainer": {"lr": 0.5}})
+    with pytest.raises(Exception):
+        cfg.trainer.lr = 1.0
+    assert cfg.trainer.lr == 0.5
+    assert str(error(load, {"trainer": {"steps": "3"}})) == "trainer.steps: expected int, got '3'"
+    assert str(error(load, {"models": [{"name": "m", "path": "p", "trainable": 1}]})) == (
+        "models[0].trainable: expected bool, got 1")
+    # model_copy(update=...) is how code derives a changed config (no validation: for trusted values)
+    assert cfg.model_copy(update={"run": "x"}).run == "x" and cfg.run == "default"
 
 
 # ---- unknown keys, types, required keys
@@ -247,8 +257,10 @@ def test_empty_file_is_all_defaults(tmp_path):
     assert load_file(write(tmp_path, "# nothing\n")) == JetConfig()
 
 
-def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch):
     (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # never against the folder jet runs in
     path = write(tmp_path / "conf", yaml.safe_dump(minimal(tasks=[{
         "name": "t", "workflow": "a:b", "dataset": "data/rows.jsonl",
         "runtime": {"python": "../venv/bin/python", "cwd": "work"}}])))
@@ -259,13 +271,17 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path):
     assert cfg.tasks[0].runtime.cwd == str(tmp_path / "conf" / "work")
     # Only with check_paths must they exist.
     err = error(load_file, path, check_paths=True)
-    assert err.key == "models[0].path" and "no such model directory" in str(err)
+    assert err.key == "models[0].path"
+    assert str(err).startswith(f"{path}: models[0].path: no model directory at '{tmp_path / 'conf' / 'models' / 'm'}'")
     (tmp_path / "conf" / "models" / "m").mkdir(parents=True)
+    assert "it has no config.json" in str(error(load_file, path, check_paths=True))
+    (tmp_path / "conf" / "models" / "m" / "config.json").write_text("{}")
     assert error(load_file, path, check_paths=True).key == "tasks[0].dataset"
 
 
 def test_check_paths_passes_when_everything_exists(tmp_path):
     (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text("{}")
     cfg = load_file(write(tmp_path, yaml.safe_dump(minimal())), check_paths=True)
     assert cfg.tasks[0].dataset == "guess"  # a built-in name is not a path
 
@@ -337,34 +353,40 @@ def test_write_resolved_round_trips_through_load_file(tmp_path):
 # ---- the generic machinery on its own
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Inner:
+class Inner(Section):
     x: int = 0
+    """An int."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Outer:
-    pair: tuple[str, int] = ("a", 1)  # fixed-length tuple
-    many: tuple[float, ...] = ()  # variable-length tuple
-    inner: Inner | None = None  # optional section
-    table: dict[str, list[Inner]] = dataclasses.field(default_factory=dict)
-    either: int | str = 0  # a union
+class Outer(Section):
+    pair: tuple[str, int] = ("a", 1)
+    """A fixed-length tuple."""
+    many: tuple[float, ...] = ()
+    """A variable-length tuple."""
+    inner: Inner | None = None
+    """An optional section."""
+    table: dict[str, list[Inner]] = {}
+    """Nested containers."""
+    either: int | str = 0
+    """A union."""
 
 
 def test_configlib_tuples_optionals_unions_and_nested_containers():
-    obj = configlib.load(Outer, {"pair": ["b", 2], "many": [1, 2.5], "inner": {"x": 3},
-                                 "table": {"k": [{"x": 1}]}, "either": "s"})
-    assert obj == Outer(("b", 2), (1.0, 2.5), Inner(3), {"k": [Inner(1)]}, "s")
-    assert configlib.load(Outer, configlib.dump(obj)) == obj
+    obj = configlib.validate(Outer, {"pair": ["b", 2], "many": [1, 2.5], "inner": {"x": 3},
+                                     "table": {"k": [{"x": 1}]}, "either": "s"})
+    assert obj == Outer(pair=("b", 2), many=(1.0, 2.5), inner=Inner(x=3), table={"k": [Inner(x=1)]}, either="s")
+    assert configlib.validate(Outer, configlib.dump(obj)) == obj
     assert configlib.dump(obj)["pair"] == ["b", 2]
-    assert str(error(configlib.load, Outer, {"pair": ["b"]})) == "pair: expected a list of 2 items, got 1"
-    assert str(error(configlib.load, Outer, {"pair": ["b", "c"]})) == "pair[1]: expected int, got 'c'"
-    assert str(error(configlib.load, Outer, {"many": [1, "x"]})) == "many[1]: expected float, got 'x'"
-    assert str(error(configlib.load, Outer, {"table": {"k": [{"y": 1}]}})) == "table.k[0].y: unknown key"
-    assert str(error(configlib.load, Outer, {"inner": {"x": "1"}})) == "inner.x: expected int, got '1'"
-    assert str(error(configlib.load, Outer, {"either": 1.5})) == "either: expected int or str, got 1.5"
-    assert configlib.load(Outer, {"inner": None}).inner is None
-    assert str(error(configlib.load, Outer, {"pair": 5}, "top")) == "top.pair: expected a list, got 5"
+    assert str(error(configlib.validate, Outer, {"pair": ["b"]})) == "pair: expected a list of 2 items, got 1"
+    assert str(error(configlib.validate, Outer, {"pair": ["b", 1, 2]})) == "pair: expected a list of 2 items, got 3"
+    assert str(error(configlib.validate, Outer, {"pair": ["b", "c"]})) == "pair[1]: expected int, got 'c'"
+    assert str(error(configlib.validate, Outer, {"many": [1, "x"]})) == "many[1]: expected float, got 'x'"
+    assert str(error(configlib.validate, Outer, {"table": {"k": [{"y": 1}]}})) == "table.k[0].y: unknown key"
+    assert str(error(configlib.validate, Outer, {"inner": {"x": "1"}})) == "inner.x: expected int, got '1'"
+    assert str(error(configlib.validate, Outer, {"either": 1.5})) == "either: expected int or str, got 1.5"
+    assert configlib.validate(Outer, {"inner": None}).inner is None
+    assert str(error(configlib.validate, Outer, {"pair": 5}, "top")) == "top.pair: expected a list, got 5"
+    assert str(error(configlib.validate, Outer, {"table": {1: []}})) == "table.1: keys must be strings, got 1"
 
 
 def test_trainer_fields_of_the_trainer_issue():

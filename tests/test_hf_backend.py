@@ -210,8 +210,25 @@ def test_sampler_draws_from_the_tempered_and_truncated_distribution():
     assert _sample(logits, None, SamplingParams(temperature=0), None) == 0
 
 
-def test_outputs_are_frozen_slotted_dataclasses():
-    out = GenOutput([1], [-0.5], "stop", None, 3)
-    with pytest.raises(AttributeError):
-        out.version = 4
-    assert not hasattr(SamplingParams(), "__dict__")
+@pytest.mark.anyio
+async def test_a_finished_output_never_changes_while_others_decode(model_dir, anyio_backend):
+    """Continuous batching: a request that finishes leaves the batch with its own tokens; decoding
+    the requests still in flight (the same rows, the same cache) must not touch what it returned."""
+    import anyio
+
+    backend = HFBackend(str(model_dir), max_inflight=4)
+    short, long_ = SamplingParams(max_tokens=2, seed=1), SamplingParams(max_tokens=12, seed=2)
+    got: dict[str, GenOutput] = {}
+    seen: dict[str, tuple] = {}
+
+    async def one(name: str, sp: SamplingParams) -> None:
+        got[name] = await backend.agenerate_one([5, 6, 7], sp)
+        seen[name] = (tuple(got[name].token_ids), tuple(got[name].logprobs))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "long", long_)
+        tg.start_soon(one, "short", short)
+    assert len(seen["short"][0]) <= 2 < len(seen["long"][0])
+    assert (tuple(got["short"].token_ids), tuple(got["short"].logprobs)) == seen["short"]  # unchanged since
+    alone = backend.generate([[5, 6, 7]], [short])[0]
+    assert tuple(alone.token_ids) == seen["short"][0]  # and what it would have been alone (batch invariance)

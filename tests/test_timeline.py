@@ -9,8 +9,9 @@ import torch
 
 from jet.errors import CodecError
 from jet.queues import codec
+from jet.wire import Trajectory
 from jet.timeline import Call, Episode, Sample, merge_calls, merge_episodes, split_sample
-from jet.trainer.losses import policy_gradient_loss, token_logprobs
+from jet.trainer.losses import token_logprobs
 from jet.trainer.packing import pack, pack_row
 
 EOS = 99
@@ -131,31 +132,41 @@ def test_calls_are_validated():
         merge_calls([call([1], [2])], "fuzzy")
 
 
+def wire(s: Sample) -> dict[bytes, bytes]:
+    """A sample on the wire: inside a Trajectory (jet.wire's layout, the only one)."""
+    return Trajectory("t", "g", 0, "e", s.model, 1.0, (s,)).to_fields()
+
+
+def unwire(fields: dict[bytes, bytes]) -> Sample:
+    [s] = Trajectory.from_payload(codec.decode(fields)).samples
+    return s
+
+
 def test_wire_form_is_compact_and_round_trips():
     linear = merge_calls([call([1, 2], [3, 4]), call([1, 2, 3, 4, 5], [6])], "exact")[0]
-    fields = linear.encode()
+    fields = wire(linear)
     assert b"i4:parents" not in fields and b"i4:episodes" not in fields and b"i4:mask" not in fields
     assert len(fields[b"i4:tokens"]) == len(fields[b"i4:versions"]) == len(fields[b"f4:logprobs"]) == 4 * 6
-    assert Sample.decode(fields) == linear
+    assert unwire(fields) == linear
     tree = merge_episodes([Episode((call([1], [2]),), "a", 1.0), Episode((call([1], [3]),), "b", 0.0)], "tree")[0]
-    fields = tree.encode()
+    fields = wire(tree)
     assert b"i4:parents" in fields and b"i4:episodes" in fields
-    assert Sample.decode(fields) == tree
+    assert unwire(fields) == tree
 
 
 def test_malformed_samples_raise_codec_errors():
     s = merge_calls([call([1, 2], [3, 4])], "exact")[0]
-    fields = s.encode()
-    with pytest.raises(CodecError, match="differ in length"):
-        Sample.decode({**fields, b"i4:tokens": fields[b"i4:tokens"][:-4]})
+    fields = wire(s)
+    with pytest.raises(CodecError, match="array 'tokens' has 3 values, the samples need 4"):
+        unwire({**fields, b"i4:tokens": fields[b"i4:tokens"][:-4]})
     with pytest.raises(CodecError, match="preorder"):
-        Sample.decode({**fields, b"i4:parents": codec.encode("x", {}, ints={"p": [-1, 0, 3, 2]})[b"i4:p"]})
+        unwire({**fields, b"i4:parents": codec.encode("x", {}, ints={"p": [-1, 0, 3, 2]})[b"i4:p"]})
     with pytest.raises(CodecError, match="trained tokens need"):
-        Sample.decode({**fields, b"i4:versions": codec.encode("x", {}, ints={"v": [0, -1, 0, 0]})[b"i4:v"]})
-    with pytest.raises(CodecError, match="expected a 'sample'"):
-        Sample.decode(codec.encode("task", {}))
+        unwire({**fields, b"i4:versions": codec.encode("x", {}, ints={"v": [0, -1, 0, 0]})[b"i4:v"]})
+    with pytest.raises(CodecError, match="expected a 'traj'"):
+        unwire(codec.encode("task", {}))
     with pytest.raises(CodecError, match="malformed sample"):
-        Sample.decode(codec.encode("sample", {"n": 1}))
+        unwire({**fields, b"m": fields[b"m"].replace(b'"n":4', b'"n":"4"')})
 
 
 def test_split_copies_ancestors_untrained():
@@ -198,13 +209,3 @@ def test_token_logprobs_reads_each_token_from_its_parent():
     assert torch.allclose(token_logprobs(logits, ids, parents), torch.tensor([[0.0, math.log(0.5), math.log(0.75)]]))
     tree_parents = torch.tensor([[-1, 0, 0]])  # token 2 is a sibling of token 1
     assert torch.allclose(token_logprobs(logits, ids, tree_parents)[0, 2], torch.tensor(math.log(0.5)))
-
-
-def test_policy_gradient_loss_by_hand():
-    lp = torch.tensor([[0.0, math.log(0.5), math.log(0.25)]])
-    old = torch.tensor([[0.0, math.log(0.25), math.log(0.25)]])
-    adv = torch.tensor([[5.0, 1.0, -2.0]])
-    mask = torch.tensor([[0.0, 1.0, 1.0]])
-    assert torch.isclose(policy_gradient_loss(lp, old, adv, mask, 4.0), torch.tensor(-(2.0 * 1 + 1.0 * -2) / 4))
-    clipped = policy_gradient_loss(lp, old, adv, mask, 4.0, clip=0.2)
-    assert torch.isclose(clipped, torch.tensor(-(1.2 * 1 + 1.0 * -2) / 4))

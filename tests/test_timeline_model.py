@@ -22,7 +22,7 @@ import torch
 
 from jet import sampling
 from jet.timeline import Call, Episode, merge_episodes
-from jet.trainer.losses import policy_gradient_loss
+from jet.trainer.losses import ppo_loss
 from jet.trainer.packing import Row, pack, row_logprobs
 
 VOCAB, EOS, BUDGET = 96, 95, 80
@@ -118,7 +118,8 @@ def run(model: torch.nn.Module, rows: list[Row], n_trained: int) -> tuple[dict, 
     total = 0.0
     for row in rows:
         lp = row_logprobs(model, row)
-        loss = policy_gradient_loss(lp, row.behaviour_logprobs, row.rewards, row.loss_mask, n_trained)
+        loss = ppo_loss(lp, row.behaviour_logprobs, row.rewards, row.loss_mask / n_trained, row.loss_mask,
+                        clip_eps=0.2).loss
         loss.backward()
         total += loss.item()
         values, behaviour = lp.detach()[0].tolist(), row.behaviour_logprobs[0].tolist()

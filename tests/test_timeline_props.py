@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jet.timeline import MODES, Call, Episode, Sample, merge_calls, merge_episodes, split_sample, truncate_sample
+from jet.queues import codec
 from jet.trainer.packing import pack
+from jet.wire import Trajectory
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -98,7 +100,7 @@ def check_samples(samples: list[Sample]) -> None:
             if i not in has_child:
                 assert s.mask[i] == 1, "an untrained leaf was kept"
         assert s.n_trained > 0
-        assert Sample.decode(s.encode()) == s
+        assert Trajectory.from_payload(codec.decode(Trajectory("t", "g", 0, "e", s.model, 1.0, (s,)).to_fields())).samples == (s,)
 
 
 @SETTINGS

@@ -9,13 +9,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from jet.config import default_config_path
 from jet.up import cli as up_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_config(tmp_path: Path, **trainer) -> Path:
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg = yaml.safe_load(default_config_path().read_text())
     cfg["run"] = "uptest"
     cfg["runs_dir"] = str(tmp_path / "runs")
     cfg["models"][0]["path"] = str(tmp_path / ".jet" / "models" / "tiny")

@@ -50,7 +50,10 @@ def test_task_without_attempt_decodes_as_first_attempt():
 @pytest.mark.parametrize("mutate, match", [
     (lambda f: f.pop(b"i4:prompt"), "missing array 'prompt'"),
     (lambda f: f.update({b"m": orjson.dumps({**orjson.loads(f[b"m"]), "reply_to": 1})}), "reply_to"),
-    (lambda f: f.update({b"m": orjson.dumps({**orjson.loads(f[b"m"]), "stop_token_ids": [1, "x"]})}), "list of ints"),
+    (lambda f: f.update({b"m": orjson.dumps({**orjson.loads(f[b"m"]), "stop_token_ids": [1, "x"]})}),
+     r"field 'stop_token_ids\[1\]': expected `int`, got `str`"),
+    (lambda f: f.update({b"m": orjson.dumps({**orjson.loads(f[b"m"]), "max_tokens": True})}),
+     r"field 'max_tokens': expected `int`, got `bool`"),  # strict: a bool is no int
 ])
 def test_bad_requests_raise_codec_errors(mutate, match):
     fields = GenRequest("k", "m", [1, 2]).to_fields()

@@ -29,8 +29,8 @@ from jet.trainer import optim
 from jet.trainer.batch import StepInputs
 from jet.trainer.packing import Row
 from jet.trainer.step import StepStats, accumulate
+from jet.wire import WEIGHTS_FILE
 
-MODEL_FILE = "model.safetensors"
 
 
 def load_policy(model_path: str, device: str) -> torch.nn.Module:
@@ -85,7 +85,7 @@ class TorchBackend:
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_model
 
-        save_model(self.model, str(folder / MODEL_FILE))
+        save_model(self.model, str(folder / WEIGHTS_FILE))
         tensors, groups = optim.optimizer_state(self.optimizer)
         optim.save_tensors(tensors, folder / "optimizer.safetensors")
         rng, rng_meta = optim.rng_state()
@@ -95,7 +95,7 @@ class TorchBackend:
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_model
 
-        load_model(self.model, str(folder / MODEL_FILE), device=str(self.device))
+        load_model(self.model, str(folder / WEIGHTS_FILE), device=str(self.device))
         meta = json.loads((folder / "backend.json").read_text())
         # load_state_dict moves each state tensor to its parameter's device (the step count stays on CPU)
         optim.load_optimizer_state(self.optimizer, optim.load_tensors(folder / "optimizer.safetensors"),

@@ -21,7 +21,7 @@ import threading
 
 import click
 
-from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.errors import JetError, Stopped, is_fatal
 from jet.supervisor import EXIT_FATAL
 
@@ -65,6 +65,7 @@ def train(config_path, overrides, model, backend, nproc, device, redis_url) -> N
 
     cfg = load_config(config_path, overrides)
     model = _trained_model(cfg, model)
+    require_models(cfg, config_path, [model])
     backend = backend or cfg.trainer_of(model).backend
     nproc = nproc or cfg.trainer_of(model).nproc
     rank = os.environ.get("RANK")

@@ -7,7 +7,6 @@ merged and unmerged samples give the same values.
 - `token_logprobs`: each token's logprob under the model, read at its parent,
   under the token's own sampling transformation (temperature, top-p nucleus
   renormalised: `jet.sampling`), so it is the quantity inference reported;
-- `policy_gradient_loss`: importance-weighted policy gradient / a normaliser;
 - `ppo_loss`: the trainer's objective. Per trained token t, with the
   importance ratio r = exp(logprob - behaviour logprob) against the policy
   that generated it (the inference worker's logprob) and advantage A:
@@ -67,28 +66,6 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, parent_index: 
             flat = picked.flatten().index_copy(0, b * picked.shape[1] + j, values.to(picked.dtype))
             picked = flat.view_as(picked)
     return picked.masked_fill(parent_index < 0, 0.0)
-
-
-def policy_gradient_loss(
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    normaliser: float,
-    clip: float | None = None,
-) -> torch.Tensor:
-    """Token-level importance-weighted policy gradient, summed over mask and / normaliser.
-
-    loss = -sum(mask * r * A) / normaliser with r = exp(logprob - behaviour);
-    with `clip` it is PPO's pessimistic min(r * A, clip(r, 1 - clip, 1 + clip) * A).
-    At r = 1 the gradient is -sum(mask * A * grad logprob) / normaliser (REINFORCE).
-    """
-    trained = mask > 0
-    ratio = torch.exp((logprobs - behaviour_logprobs).masked_fill(~trained, 0.0))
-    gain = ratio * advantages
-    if clip is not None:
-        gain = torch.minimum(gain, ratio.clamp(1.0 - clip, 1.0 + clip) * advantages)
-    return -(gain * trained).sum() / normaliser
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
-from jet.wire import file_sha256
+from jet.wire import WEIGHTS_FILE, file_sha256
 
-WEIGHTS_FILE = "model.safetensors"  # the name jet.workers.hf_backend looks for in a folder
 
 
 def weights_dir(run_dir: Path, model: str, version: int) -> Path:

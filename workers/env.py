@@ -70,7 +70,7 @@ import anyio
 import click
 
 import jet
-from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig, TaskConfig
 from jet.errors import CodecError, ConfigError
 from jet.keys import Keys
@@ -257,6 +257,7 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
     if unknown:
         raise click.UsageError(f"--task: unknown task(s) {unknown}; configured: {[t.name for t in cfg.tasks]}")
+    require_models(cfg, config_path)
     url = resolve_url(redis_url)
     chosen = [t for t in cfg.tasks if not tasks or t.name in tasks]
     apart = [t for t in chosen if not same_python(t.runtime.python)]  # their own interpreter: own processes

@@ -74,7 +74,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 import click
 
-from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig
 from jet.errors import GenerationError, GenerationTimeout, JetError, QueueError
 from jet.keys import Keys
@@ -388,6 +388,7 @@ def cli(config_path, overrides, host, port, max_in_flight, max_body_mb, max_body
     cfg = load_config(config_path, overrides)
     if not cfg.models:
         raise click.ClickException(f"{config_path}: no models configured")
+    require_models(cfg, config_path)
     limits = Limits(max_body=int(max_body_mb * 2**20), max_in_flight=max_in_flight,
                     max_body_in_flight=int(max_body_in_flight_mb * 2**20))
     url = resolve_url(redis_url)

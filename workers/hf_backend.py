@@ -45,12 +45,11 @@ from typing import TYPE_CHECKING, Literal
 
 from jet import sampling
 from jet.errors import WeightsError
-from jet.wire import file_sha256
+from jet.wire import WEIGHTS_FILE, file_sha256
 
 if TYPE_CHECKING:
     import torch
 
-WEIGHTS_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from typing import Any
 import anyio
 import click
 
-from jet.cliopts import config_options, load_config, redis_url_option, resolve_url
+from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig
 from jet.errors import CodecError
 from jet.keys import GROUP_INFER, Keys
@@ -175,6 +175,7 @@ def cli(config_path, overrides, model, backend, device, processes, slot, redis_u
         model = cfg.models[0].name
     if model not in [m.name for m in cfg.models]:
         raise click.UsageError(f"--model: unknown model {model!r}; configured: {[m.name for m in cfg.models]}")
+    require_models(cfg, config_path, [model])
     url = resolve_url(redis_url)
     if processes > 1:
         def argv_of(i: int) -> list[str]:

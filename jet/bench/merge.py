@@ -185,14 +185,14 @@ def model_shape(scale: Scale) -> dict[str, Any]:
 
 def train_seconds(model, rows) -> float:
     """Wall time of forward + loss + backward over `rows` (one optimiser step's work)."""
-    from jet.trainer.losses import policy_gradient_loss
+    from jet.trainer.losses import ppo_loss
     from jet.trainer.packing import row_logprobs
 
     n = sum(float(r.loss_mask.sum()) for r in rows)
     start = time.perf_counter()
     for row in rows:
         lp = row_logprobs(model, row)
-        policy_gradient_loss(lp, row.behaviour_logprobs, row.rewards, row.loss_mask, n).backward()
+        ppo_loss(lp, row.behaviour_logprobs, row.rewards, row.loss_mask / n, row.loss_mask, clip_eps=0.2).loss.backward()
     elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return elapsed

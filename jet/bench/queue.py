@@ -65,13 +65,20 @@ class Row:
     met: bool | None = None
 
 
-def entries(label: str, n: int) -> list[dict[bytes, bytes]]:
-    """n codec entries of about SIZES[label] bytes each (header + int32 token ids)."""
+def entries(label: str, n: int, wire: bool = False) -> list[dict[bytes, bytes]]:
+    """n codec entries of about SIZES[label] bytes each (header + int32 token ids); with `wire`,
+    real GenRequests (the inference worker's input), which the hop then validates as such."""
     from jet.queues import codec
+    from jet.wire import GenRequest
 
-    probe = codec.encode("bench", {"n": 0}, ints={"t": []})
-    ids = array("i", range(max(0, (SIZES[label] - codec.entry_size(probe)) // 4)))
-    return [codec.encode("bench", {"n": i}, ints={"t": ids}) for i in range(n)]
+    def one(i: int, ids) -> dict[bytes, bytes]:
+        if wire:
+            return GenRequest(reply_to="jet:{bench}:reply:c", model="m", prompt_ids=ids, max_tokens=8,
+                              msg_id=f"{i:032x}").to_fields()
+        return codec.encode("bench", {"n": i}, ints={"t": ids})
+
+    ids = array("i", range(max(0, (SIZES[label] - codec.entry_size(one(0, []))) // 4)))
+    return [one(i, ids) for i in range(n)]
 
 
 async def server_cpu(r) -> float:
@@ -131,9 +138,11 @@ async def lua_hop(r, url: str, keys: Keys, n: int, batch: int) -> tuple[float, f
     return seconds, cpu
 
 
-def spawn(url: str, run: str, slot: int, batch: int, log: Path, profile: str | None) -> subprocess.Popen:
+def spawn(url: str, run: str, slot: int, batch: int, log: Path, profile: str | None,
+          wire: bool = False) -> subprocess.Popen:
     argv = [sys.executable, "-m", "jet.bench.queue", "--url", url, "--run", run, "--slot", str(slot),
             "--batch", str(batch)] + (["--profile", f"{profile}.{run}.{slot}"] if profile else [])
+    argv += ["--wire"] if wire else []
     with open(log, "wb") as f:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
 
@@ -143,12 +152,12 @@ def tail(log: Path) -> str:
 
 
 async def hop(r, url: str, keys: Keys, n: int, consumers: int, batch: int, log_dir: Path,
-              profile: str | None) -> tuple[float, float]:
+              profile: str | None, wire: bool = False) -> tuple[float, float]:
     """`consumers` worker processes over the pre-filled input. (seconds, their CPU seconds)"""
     from jet.queues import codec
 
     logs = [log_dir / f"{keys.run}-{s}.log" for s in range(consumers)]
-    procs = [spawn(url, keys.run, s, batch, logs[s], profile) for s in range(consumers)]
+    procs = [spawn(url, keys.run, s, batch, logs[s], profile, wire) for s in range(consumers)]
     out = keys.traj("bench")
 
     def check_alive() -> None:
@@ -207,7 +216,7 @@ def best(samples: list[Row]) -> Row:
 
 
 async def measure(url: str, ns: dict[str, int], counts: list[int], batch: dict[str, int], repeat: int,
-                  log_dir: Path, profile: str | None, say) -> list[Row]:
+                  log_dir: Path, profile: str | None, say, wire: bool = False) -> list[Row]:
     from jet.queues import codec
     from jet.queues.connect import connect
 
@@ -215,7 +224,7 @@ async def measure(url: str, ns: dict[str, int], counts: list[int], batch: dict[s
     rows: list[Row] = []
     try:
         for label, n in ns.items():
-            data = entries(label, n)
+            data = entries(label, n, wire)
             size = codec.entry_size(data[0])
             cases = [("lua", 1)] + [("hop", k) for k in counts]
             raws, runs = [], {case: [] for case in cases}
@@ -234,7 +243,7 @@ async def measure(url: str, ns: dict[str, int], counts: list[int], batch: dict[s
                 if mode == "lua":
                     seconds, cpu = await lua_hop(r, url, keys, n, batch[label])
                 else:
-                    seconds, cpu = await hop(r, url, keys, n, k, batch[label], log_dir, profile)
+                    seconds, cpu = await hop(r, url, keys, n, k, batch[label], log_dir, profile, wire)
                 runs[mode, k].append(rate(label, mode, k, n, size, seconds, cpu, await server_cpu(r) - s0))
                 await drop_run(r, keys)
             # One baseline per payload: the best of all fills, so a slow fill cannot flatter the ratios.
@@ -292,7 +301,8 @@ def render(rows: list[Row], header: str):
 @click.option("--repeat", type=int, default=None,
               help="Runs of each measurement; the best counts (default 2, --quick 1).")
 @click.option("--profile", default=None, hidden=True, help="cProfile each worker to PREFIX.<run>.<slot>.")
-def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, batch_large, repeat, profile):
+@click.option("--wire", is_flag=True, help="Entries are GenRequests, which the hop validates (jet.wire) as it reads.")
+def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, batch_large, repeat, profile, wire):
     """Raw pipelined XADD rate vs the full consumer hop (read, decode, handle, ack+produce)."""
     base = QUICK_N if quick else DEFAULT_N
     ns = {"100B": n_small or base["100B"], "40KB": n_large or base["40KB"]}
@@ -301,7 +311,7 @@ def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, bat
     say = progress(as_json)
     with tempfile.TemporaryDirectory(prefix="jet-bench-") as tmp, server_url(redis_url, Path(tmp) / "server") as url:
         version = run_jet(server_version, url)
-        rows = run_jet(measure, url, ns, counts, batch, repeat or (1 if quick else 2), Path(tmp), profile, say)
+        rows = run_jet(measure, url, ns, counts, batch, repeat or (1 if quick else 2), Path(tmp), profile, say, wire)
     embedded = not redis_url
     header = f"{'embedded ' if embedded else ''}{version}, {os.cpu_count()} CPUs"
     if as_json:
@@ -321,11 +331,12 @@ def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, bat
 # -- the worker process ------------------------------------------------------------------
 
 
-async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event) -> None:
+async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wire: bool = False) -> None:
     from jet.queues import codec
     from jet.queues.connect import connect
     from jet.queues.consumer import Settings, consumer_name
     from jet.queues.runtime import Runtime
+    from jet.wire import GenRequest
 
     keys = Keys(run)
     cfg = Settings(batch=batch, block_ms=1000)
@@ -340,6 +351,9 @@ async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event) -> 
     cpu = time.process_time()
 
     async def handle(ds):  # no-op: forward each (already decoded) entry unchanged
+        if wire:  # ... once it passed the wire type's validation, as the inference worker does
+            for d in ds:
+                GenRequest.from_payload(d.payload)
         return [[(out, d.fields)] for d in ds]
 
     async with Runtime(url, keys, keys.tasks("bench"), GROUP, consumer_name("bench", slot), cfg, stop=stop) as rt:
@@ -355,18 +369,19 @@ async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event) -> 
 @click.option("--slot", type=int, required=True)
 @click.option("--batch", type=int, required=True)
 @click.option("--profile", default=None)
-def worker_cli(url, run, slot, batch, profile):
+@click.option("--wire", is_flag=True)
+def worker_cli(url, run, slot, batch, profile, wire):
     """One hop consumer, started by `jet bench queue`; SIGTERM drains it (exit 0)."""
     from jet.supervisor import run_role
 
     if not profile:
-        run_role(lambda stop: work(url, run, slot, batch, stop), "bench-queue-worker")
+        run_role(lambda stop: work(url, run, slot, batch, stop, wire), "bench-queue-worker")
         return
     import cProfile
 
     with cProfile.Profile() as prof:
         try:
-            run_role(lambda stop: work(url, run, slot, batch, stop), "bench-queue-worker")
+            run_role(lambda stop: work(url, run, slot, batch, stop, wire), "bench-queue-worker")
         finally:
             prof.dump_stats(profile)
 

@@ -41,7 +41,9 @@ def wait_for(fn, timeout: float, what: str, log: Path | None = None):
 
 
 def write_config(tmp_path: Path) -> Path:
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    from jet.config import default_config_path
+
+    cfg = yaml.safe_load(default_config_path().read_text())
     cfg["run"] = "dash"
     cfg["runs_dir"] = str(tmp_path / "runs")
     cfg["models"][0]["path"] = str(tmp_path / ".jet" / "models" / "tiny")

@@ -80,7 +80,7 @@ async def test_requests_get_one_reply_or_a_reason(redis_url, keys, cfg):
         await wait_for(lambda: settled(r, keys), timeout=30)
         assert expired.msg_id in [GenResult.from_payload(codec.decode(f)).request_id for _, f in await r.xrange(probe)]
     dead = sorted(codec.decode(f).meta["reason"] for _, f in await r.xrange(keys.dead))
-    assert len(dead) == 2 and "'stop_token_ids'" in dead[0] and "not a key of run" in dead[1]
+    assert len(dead) == 2 and "gen: missing required field 'reply_to'" in dead[0] and "not a key of run" in dead[1]
     await r.aclose()
 
 
