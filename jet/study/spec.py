@@ -1,7 +1,8 @@
 """The study file: what a study asks, over which space, with which seeds, budget, planner and pruner.
 
-A study file is YAML, validated on load like a run config: pydantic v2 models
-with unknown keys refused and no silent coercion, errors that name the path
+A study file is YAML, validated on load like a run config (its sections are
+`jet.configlib.Section`s: pydantic v2, unknown keys refused, no silent
+coercion), with errors that name the path
 (`budget.max_runs: expected int, got 'x'`) and `--set` overrides
 (`--set budget.max_runs=8`); reading the file is `jet.study.studyfile`.
 
@@ -23,7 +24,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from jet.configlib import Section, problem
 
 __all__ = ["Study", "Param", "Metric", "Hypothesis", "Budget", "Planner", "Pruner", "Confirm", "arm_label",
            "RESERVED"]
@@ -33,8 +36,8 @@ RESERVED = ("run", "runs_dir")  # set by the study worker for each run
 TEMPLATE_FIELDS = ("seed", "run", "run_dir", "study_dir")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+class _Strict(Section):
+    """A study file section: Jet's config sections' rules (frozen, unknown keys refused, strict types)."""
 
 
 class Param(_Strict):
@@ -284,38 +287,38 @@ class Study(_Strict):
     def _consistent(self) -> "Study":
         if self.arms is not None:
             if self.space:
-                raise ValueError("give either space: or arms:, not both")
+                raise problem("arms", "give either space: or arms:, not both")
             if not self.arms or len({tuple(sorted(a)) for a in self.arms}) != 1 or not self.arms[0]:
-                raise ValueError("arms: every arm must set the same (non-empty) config paths")
+                raise problem("arms", "every arm must set the same (non-empty) config paths")
         elif not self.space:
-            raise ValueError("space: or arms: is required")
+            raise problem("space", "space: or arms: is required")
         if self.planner.kind == "grid" and self.arms is None and any(p.grid() is None for p in self.space.values()):
-            raise ValueError("planner 'grid' needs a finite space (choices, or ranges with a step)")
+            raise problem("planner.kind", "'grid' needs a finite space (choices, or ranges with a step)")
         if self.planner.kind != "grid" and self.arms is not None:
-            raise ValueError("explicit arms: are run by planner 'grid'")
+            raise problem("planner.kind", "explicit arms: are run by planner 'grid'")
         if self.planner.kind != "grid" and self.planner.trials is None:
-            raise ValueError(f"planner '{self.planner.kind}' needs planner.trials (arms to screen)")
-        for h in self.hypotheses:
+            raise problem("planner.trials", f"planner '{self.planner.kind}' needs planner.trials (arms to screen)")
+        for i, h in enumerate(self.hypotheses):
             for side in ("treatment", "control"):
                 value = getattr(h, side)
                 if value != "best":
-                    self._check_arm(value, f"hypotheses.{h.name}.{side}")
+                    self._check_arm(value, f"hypotheses[{i}].{side}")
         names = [h.name for h in self.hypotheses]
         if len(set(names)) != len(names):
-            raise ValueError("hypotheses: names must be unique")
+            raise problem("hypotheses", "names must be unique")
         return self
 
     def _check_arm(self, params: dict[str, Any], where: str) -> None:
         keys = self.params
         if set(params) != set(keys):
-            raise ValueError(f"{where}: must set exactly {', '.join(keys)} (got {', '.join(params) or 'nothing'})")
+            raise problem(where, f"must set exactly {', '.join(keys)} (got {', '.join(params) or 'nothing'})")
         if self.arms is not None:
             if params not in self.arms:
-                raise ValueError(f"{where}: {params} is not one of the arms")
+                raise problem(where, f"{params} is not one of the arms")
             return
         for k, v in params.items():
             if not self.space[k].contains(v):
-                raise ValueError(f"{where}.{k}: {v!r} is outside the space")
+                raise problem(f"{where}.{k}", f"{v!r} is outside the space")
 
     @property
     def params(self) -> list[str]:
