@@ -31,6 +31,7 @@ from jet.cliopts import LazyGroup, setup_logging
         "train": ("jet.trainer.cli:train", "Train a model on its trajectories (torch or deepspeed)."),
         "plot": ("jet.trainer.cli:plot", "Write PNG curves (reward, loss, staleness, throughput) of a run."),
         "worker": ("jet.workers.cli:worker", "Run env or inference workers (-n N processes)."),
+        "study": ("jet.study.cli:study", "Automated RL studies: paired seeds, pruning, verdicts, confirmation."),
     },
 )
 @click.option("--log-level", default=lambda: os.environ.get("JET_LOG_LEVEL", "INFO"), show_default="INFO")

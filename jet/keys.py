@@ -18,6 +18,7 @@ GROUP_ENV_SHADOW = "env-shadow"  # shadow env workers: see every new task, never
 BEST_EFFORT_GROUPS = (GROUP_ENV_SHADOW,)
 GROUP_INFER = "infer"
 GROUP_TRAINER = "trainer"
+GROUP_STUDY = "study"  # study workers on a study's run stream
 
 
 def check_name(kind: str, value: str) -> str:
@@ -104,6 +105,57 @@ class Keys:
     def last_error(self) -> str:
         """Hash `<stream>/<entry id>` -> last handler error, used as the dead-letter reason."""
         return f"{self.prefix}errors"
+
+    # -- a study's keys (`jet study`): a Keys of the study's own namespace, `Keys.for_study(name)`
+
+    @classmethod
+    def for_study(cls, study: str) -> "Keys":
+        """The namespace of study `study`: its keys share the hash tag `{study.<name>}`."""
+        return cls(f"study.{check_name('study', study)}")
+
+    @property
+    def study_runs(self) -> str:
+        """Stream of run requests (one per trial x seed) that study workers consume."""
+        return f"{self.prefix}study:runs"
+
+    @property
+    def study_results(self) -> str:
+        """Stream of finished runs, each added atomically with its request's ack."""
+        return f"{self.prefix}study:results"
+
+    @property
+    def study_progress(self) -> str:
+        """Stream of per-step metric values of running runs."""
+        return f"{self.prefix}study:progress"
+
+    @property
+    def study_launched(self) -> str:
+        """Hash run id -> its request: the runner's ledger of every run it launched (never expires)."""
+        return f"{self.prefix}study:launched"
+
+    @property
+    def study_stops(self) -> str:
+        """Hash run id -> why it must stop (pruned, study stopped, out of budget), read by its worker."""
+        return f"{self.prefix}study:stops"
+
+    @property
+    def study_state(self) -> str:
+        """Hash of the study's own fields: spec, first start time, stop request, runner lock owner."""
+        return f"{self.prefix}study:state"
+
+    @property
+    def study_runner(self) -> str:
+        """String: the live runner's token (expiring lease), so two runners never plan one study."""
+        return f"{self.prefix}study:runner"
+
+    def study_run_lock(self, run: str) -> str:
+        """String: held (expiring lease) while a run's processes live, so a reclaimed run never runs twice."""
+        return f"{self.prefix}study:lock:{check_name('run', run)}"
+
+    @property
+    def study_crashes(self) -> str:
+        """Hash run id -> infrastructure crashes so far."""
+        return f"{self.prefix}study:crashes"
 
     def pattern(self) -> str:
         """SCAN pattern matching every key of this run (the braces are escaped)."""

@@ -1,0 +1,266 @@
+"""One study run on a study worker: its config, its `jet up` (under a keeper), its metrics, its outcome.
+
+What it is: `execute(req, ...)` turns a `RunRequest` into an outcome:
+1. compose the run's config: the base file with the request's overrides
+   (templates {seed} {run} {run_dir} {study_dir} filled in), `run` = the run
+   name and `runs_dir` = `<study folder>/runs`, so the run has its own Redis
+   namespace and folder, and a second attempt of it resumes there;
+2. check it (schema and paths); a bad one is a result, `bad_config`, with the reason;
+3. start `python -m jet.study.keeper ... -- python -m jet.cli up --config ...`
+   (an ordinary Jet run, no training code of its own) and, while it lives,
+   stream each new line of the trainer's metrics.jsonl back as `Progress`,
+   stop it on request (pruned, out of budget, cancelled), at its timeout, or
+   when this worker drains;
+4. classify how it ended (`classify`, pure).
+
+The outcome is `Finished(result)` (commit the result with the request's ack)
+or `Retry(why)` (give the request back: this worker is draining, or an
+infrastructure crash with retries left; the next attempt resumes from the
+run's last checkpoint).
+
+Timeouts count from the run's first start (kept in Redis), so retries and
+reclaims never extend a run's budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from jet.study import ledger
+from jet.study.keeper import EXIT_NO_LEASE
+from jet.study.messages import Progress, RunRequest, RunResult
+
+POLL_S = 0.5
+FATAL = "stopped with an error that restarting cannot fix"  # jet.supervisor's words for a fatal exit
+_RESUMED = re.compile(r"resumed \S+ from .* \(step (\d+)")
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: RunResult
+
+
+@dataclass(frozen=True)
+class Retry:
+    why: str
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    config: str
+    overrides: list[str]
+    run_dir: Path
+    log: Path  # jet up's own output (all attempts)
+
+
+def fill(text: str, req: RunRequest, run_dir: Path, study_dir: Path) -> str:
+    values = {"seed": str(req.seed), "run": req.run, "run_dir": str(run_dir), "study_dir": str(study_dir)}
+    return re.sub(r"\{(seed|run|run_dir|study_dir)\}", lambda m: values[m.group(1)], text)
+
+
+def compose(req: RunRequest, study_dir: Path) -> RunFiles:
+    study_dir = study_dir.resolve()
+    run_dir = study_dir / "runs" / req.run
+    overrides = [fill(o, req, run_dir, study_dir) for o in req.overrides]
+    overrides += [f"run={req.run}", f"runs_dir={study_dir / 'runs'}"]
+    return RunFiles(req.base, overrides, run_dir, study_dir / "logs" / f"{req.run}.log")
+
+
+def check(files: RunFiles):
+    """The run's JetConfig, or the reason it is not a valid one (str)."""
+    from jet.config import load_file
+    from jet.errors import ConfigError
+
+    try:
+        cfg = load_file(files.config, files.overrides)
+    except ConfigError as e:
+        return str(e)
+    for i, m in enumerate(cfg.models):  # what `jet up` would refuse: a missing model it cannot build
+        if not (Path(m.path) / "config.json").is_file() and ".jet/models" not in Path(m.path).as_posix():
+            return f"models[{i}].path: no model directory at {m.path!r}"
+    if not any(m.trainable for m in cfg.models):
+        return "no trainable model: a study run needs a trainer's metrics"
+    return cfg
+
+
+def metrics_path(cfg, model: str | None) -> Path:
+    name = model or next(m.name for m in cfg.models if m.trainable)
+    return Path(cfg.run_dir) / "trainer" / name / "metrics.jsonl"
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a torn last line of a killed trainer
+    return rows
+
+
+def curve_of(rows: list[dict], metric: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[metric])) for r in rows if metric in r and "step" in r]
+
+
+def classify(code: int | None, rows: list[dict], req: RunRequest, stop: str | None, timed_out: bool,
+             log_tail: str) -> tuple[str, str]:
+    """(status, reason) of a run attempt that ended; status 'retry' = an infrastructure crash."""
+    last = int(rows[-1]["step"]) if rows else 0
+    if stop and not (code == 0 and last >= req.steps):  # a stop that came after the last step changes nothing
+        kind = stop.split(":", 1)[0]
+        return {"prune": "pruned", "budget": "stopped", "cancel": "cancelled"}.get(kind, "stopped"), stop
+    if timed_out:
+        return "timeout", f"stopped at its timeout of {req.timeout_s:.0f} s (step {last} of {req.steps})"
+    if code == 0 and last >= req.steps:
+        if not any(req.metric in r for r in rows):
+            seen = sorted({k for r in rows for k in r} - {"step", "time"})
+            return "bad_config", f"metric {req.metric!r} is not in the trainer's metrics (it has {', '.join(seen[:12])})"
+        bad = next((r["step"] for r in rows if "train/loss" not in r), None)
+        if bad is not None:  # the trainer's metrics drop non-finite values: a missing loss is a NaN/inf one
+            return "diverged", f"the loss was not finite at step {bad}"
+        return "completed", ""
+    lines = log_tail.splitlines()
+    error = next((ln for ln in reversed(lines) if ln.startswith("Error: ")), None)
+    if code not in (0, None) and error and not rows:
+        return "bad_config", f"jet up refused the config: {error[7:]}"
+    fatal = next((ln for ln in reversed(lines) if ln.startswith("jet up: ") and FATAL in ln), None)
+    if code not in (0, None) and fatal:  # a role stopped with an error restarting cannot fix (its config)
+        return "bad_config", fatal[len("jet up: "):]
+    if code == 0:
+        return "retry", f"jet up ended at step {last} of {req.steps}"
+    return "retry", f"jet up exited with code {code} at step {last} of {req.steps}"
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - n))
+        return f.read().decode("utf-8", "replace")
+
+
+def resumed_step(run_dir: Path) -> int:
+    """The step the trainer of the latest attempt resumed from, read from its log (0: it started fresh)."""
+    steps = [int(m.group(1)) for f in sorted((run_dir / "logs").glob("train-*.log"))
+             for m in _RESUMED.finditer(f.read_text(errors="replace"))]
+    return steps[-1] if steps else 0
+
+
+def run_env(req: RunRequest) -> dict[str, str]:
+    """The run's environment: ours and the study's, minus the markers of our own supervisor (jet up's
+    roles would take it for theirs and drain at once)."""
+    from jet.supervisor import READY_ENV, SUPERVISOR_ENV
+
+    env = {**os.environ, **req.env}
+    for k in (SUPERVISOR_ENV, READY_ENV):
+        env.pop(k, None)
+    return env
+
+
+def keeper_argv(req: RunRequest, files: RunFiles, url: str) -> list[str]:
+    py = sys.executable
+    # --no-dash: runs of a study run side by side (a dashboard each would fight for one port); `jet dash`
+    # shows them all from the study folder
+    up = [py, "-m", "jet.cli", "up", "--config", files.config, "--redis-url", url, "--no-live", "--no-dash"]
+    up += [x for o in files.overrides for x in ("--set", o)]
+    return [py, "-m", "jet.study.keeper", "--redis-url", url, "--study", req.study, "--run", req.run,
+            "--log", str(files.log), "--grace-s", str(req.stop_grace_s), "--", *up]
+
+
+async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: str, deliveries: int,
+                  draining: anyio.Event) -> Finished | Retry:
+    """Run (or resume) one request to its outcome; see the module docstring."""
+    files = compose(req, study_dir)
+    started = await ledger.first_start(r, url, keys, req.run)
+
+    def result(status: str, reason: str, rows: list[dict]) -> Finished:
+        curve = curve_of(rows, req.metric)
+        final = {k: float(v) for k, v in (rows[-1] if rows else {}).items()
+                 if isinstance(v, (int, float)) and k not in ("time",) and math.isfinite(v)}
+        return Finished(RunResult(
+            run=req.run, trial=req.trial, seed=req.seed, stage=req.stage, status=status, reason=reason, curve=curve,
+            steps=int(rows[-1]["step"]) if rows else 0, duration_s=round(time.time() - started, 2),
+            attempts=deliveries, resumed_from=resumed_step(files.run_dir), worker=worker, finished_at=time.time(),
+            final=final))
+
+    early = await ledger.stop_reason(r, url, keys, req.run)
+    if early:  # stopped before it ever started here (pruned, cancelled): nothing to run
+        return result(*classify(None, [], req, early, False, ""), [])
+    cfg = await anyio.to_thread.run_sync(check, files)
+    if isinstance(cfg, str):
+        return result("bad_config", cfg, [])
+    mpath = metrics_path(cfg, req.model)
+    if time.time() - started >= req.timeout_s:
+        rows = read_rows(mpath)
+        return result(*classify(None, rows, req, None, True, ""), rows)
+
+    files.log.parent.mkdir(parents=True, exist_ok=True)
+    with open(files.log, "ab") as err:  # the keeper's own lines go there too
+        proc = subprocess.Popen(keeper_argv(req, files, url), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err, env=run_env(req))
+    stop, timed_out, drain, told, sent, offset = None, False, False, False, {}, 0
+    try:
+        while proc.poll() is None:
+            offset = await _stream(r, url, keys, req, mpath, sent, offset)
+            if not told:  # a paused study (`jet study stop`) drains its runs like a stopping worker
+                drain = draining.is_set() or bool(await ledger.get_field(r, url, keys, "paused"))
+                if not drain:
+                    stop = await ledger.stop_reason(r, url, keys, req.run)
+                    timed_out = time.time() - started >= req.timeout_s
+                if drain or stop or timed_out:
+                    proc.send_signal(signal.SIGTERM)  # the keeper drains jet up: the trainer checkpoints
+                    told = True
+            with anyio.move_on_after(POLL_S):
+                await (anyio.sleep(POLL_S) if told else draining.wait())
+    finally:
+        if proc.poll() is None:  # cancelled (the drain deadline): the keeper drains jet up by itself
+            proc.send_signal(signal.SIGTERM)
+    await _stream(r, url, keys, req, mpath, sent, offset)
+    rows = read_rows(mpath)
+    finished = proc.returncode == 0 and bool(rows) and int(rows[-1]["step"]) >= req.steps
+    if (drain and not finished) or proc.returncode == EXIT_NO_LEASE:  # a run that finished meanwhile counts
+        return Retry("the study worker is draining or the study is paused: the run resumes from its checkpoint "
+                     "on the next attempt")
+    status, reason = classify(proc.returncode, rows, req, stop, timed_out, _tail(files.log))
+    if status == "retry":
+        crashes = await ledger.count_crash(r, url, keys, req.run)
+        if crashes <= req.max_retries:
+            return Retry(f"infrastructure crash {crashes} of at most {req.max_retries + 1}: {reason}")
+        return result("crashed", f"{reason} ({crashes} crashes)", rows)
+    return result(status, reason, rows)
+
+
+async def _stream(r, url: str, keys, req: RunRequest, path: Path, sent: dict[int, float], offset: int) -> int:
+    """Send the metric of each new trainer step as Progress; returns the new file offset."""
+    if not path.is_file():
+        return 0
+    size = path.stat().st_size
+    if size < offset:  # the trainer resumed and cut the lines of its lost steps: read again
+        offset = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    cut = data.rfind(b"\n") + 1
+    items = []
+    for line in data[:cut].splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if req.metric in row and sent.get(int(row["step"])) != row[req.metric]:
+            sent[int(row["step"])] = row[req.metric]
+            items.append(Progress(req.run, int(row["step"]), float(row[req.metric]), float(row.get("time", 0))))
+    await ledger.add_progress(r, url, keys, items)
+    return offset + cut
