@@ -143,7 +143,8 @@ def translate(err: pydantic.ValidationError, cls: type, path: str = "") -> Confi
     reason = {
         "missing": "missing required key",
         "invalid_key": f"keys must be strings, got {_show(loc[-1] if loc else value)}",
-        "extra_forbidden": "unknown key" + hint(str(loc[-1]), getattr(_plain(parent), "model_fields", ())),
+        "extra_forbidden": "unknown key" + (hint(str(loc[-1]), getattr(_plain(parent), "model_fields", ()))
+                                            if loc else ""),
         "string_too_short": "must not be empty",
         "too_long": f"expected a list of {ctx.get('max_length')} items, got {ctx.get('actual_length')}",
         "value_error": str(ctx.get("error")),

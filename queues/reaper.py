@@ -23,8 +23,12 @@ log = logging.getLogger(__name__)
 
 
 class Reaper:
-    def __init__(self, consumer: Consumer):
+    """`room()`, when given, says how many more entries this consumer can take now (a busy one
+    claims nothing, so another, idle, consumer reclaims a dead one's work)."""
+
+    def __init__(self, consumer: Consumer, room=None):
         self.c = consumer
+        self.room = room
         self.cursor = "0-0"
         self.lost = 0
         self.claimed_total = 0
@@ -32,7 +36,9 @@ class Reaper:
     async def reap(self) -> int:
         """One pass; returns how many entries were claimed for this consumer."""
         c = self.c
-        want = max(1, c.cfg.batch * 2 - len(c.claimed))
+        want = (self.room() if self.room else c.cfg.batch * 2) - len(c.claimed)
+        if want <= 0:
+            return 0
         got = 0
         with translated(c.url):
             while got < want:

@@ -74,6 +74,7 @@ class Runtime:
         self._stack: contextlib.AsyncExitStack | None = None
         self._done: anyio.Event | None = None  # set when the runtime closes: helpers end (made in its loop)
         self.failure: BaseException | None = None  # what killed a helper (lease keeper, reaper)
+        self._room = lambda: self.settings.batch * 2  # entries the reaper may claim for us now
 
     @property
     def client(self):
@@ -102,7 +103,7 @@ class Runtime:
                                    "connect", stoppable=True)
             stack.push_async_callback(rb.aclose)
             self.c = Consumer(r, rb, self.url, self.keys, self.stream, self.group, self.name, self.settings)
-            self.reaper = Reaper(self.c)
+            self.reaper = Reaper(self.c, room=lambda: self._room())
             await self._retry(lambda: self.c.ensure_group(self.start), f"create group {self.group}", stoppable=True)
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.push_async_callback(self._close)
@@ -206,6 +207,8 @@ class Runtime:
             finally:
                 running.discard(d.entry_id)
                 freed.set()
+
+        self._room = lambda: concurrency - len(running)  # a busy consumer leaves a dead one's work to others
 
         async def wait_freed() -> None:
             nonlocal freed

@@ -127,3 +127,40 @@ async def test_each_sigkill_mid_work_loses_nothing(redis_url, keys):
     assert {o["n"]: o["deliveries"] for o in out} == {i: 2 if i % 4 == 0 else 1 for i in range(n)}
     assert (await r.xpending(src, "g"))["pending"] == 0
     await r.aclose()
+
+
+async def test_a_busy_consumer_leaves_a_dead_ones_work_to_an_idle_one(redis_url, keys):
+    """Reclaiming follows free capacity: a consumer whose handler slots are all busy claims nothing,
+    so the entry of a consumer that died goes to one that can start it now."""
+    src, dst = keys.tasks("src"), keys.traj("dst")
+    r = await connect(redis_url)
+    await r.xgroup_create(src, "g", id="0", mkstream=True)
+    await r.xadd(src, entry(0))
+    await r.xreadgroup("g", "died", {src: ">"}, count=1)  # 0 is pending to a consumer that is gone
+    await r.xadd(src, entry(1))
+    settings, stop, release, by = Settings(block_ms=100, lease_ms=300), anyio.Event(), anyio.Event(), {}
+
+    def handler(name):
+        async def handle(d):
+            by[d.payload.meta["n"]] = name
+            if name == "busy":
+                await release.wait()
+            return Commit([(dst, entry(d.payload.meta["n"]))])
+        return handle
+
+    async def serve(name):
+        async with Runtime(redis_url, keys, src, "g", name, settings) as rt:
+            await rt.serve_each(handler(name), stop, concurrency=1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve, "busy")
+        await eventually(lambda: _equals(anyio.to_thread.run_sync(lambda: by.get(1)), "busy"))
+        await anyio.sleep(1.0)  # several reaper passes of the busy one, the dead one's entry long idle
+        assert 0 not in by
+        tg.start_soon(serve, "idle")
+        await eventually(lambda: _equals(anyio.to_thread.run_sync(lambda: by.get(0)), "idle"))
+        release.set()
+        await eventually(lambda: _equals(r.xlen(dst), 2))
+        stop.set()
+    assert by == {0: "idle", 1: "busy"}
+    await r.aclose()
