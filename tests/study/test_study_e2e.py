@@ -4,7 +4,7 @@ One study (run once for the module) has four arms on two paired seeds, the
 metric `train/lr` (logged exactly by the trainer, so every number is known):
 - arms 0 (lr 2e-3) and 1 (lr 1e-3) are the hypothesis's treatment and control;
 - arm 2 (lr 1e-5) is clearly worse: the halving pruner stops it at rung 2 while
-  its first run is in flight (8 steps of 4 groups), and its second seed is never launched;
+  its first run is in flight (it would run 400 steps), and its second seed is never launched;
 - arm 3 points at a model directory that does not exist: a bad config, so the
   arm fails with the reason and its runs never start, while the others finish.
 """
@@ -24,6 +24,7 @@ from tests.study.conftest import ROOT, StudyProcs, base_config, study_state, wri
 pytestmark = pytest.mark.slow
 
 STEPS = 8
+LONG_STEPS = 400
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def finished(tmp_path_factory, redis_url, study_model):
     base_config(folder, study_model, steps=STEPS)
     name = f"e2e-{uuid.uuid4().hex[:6]}"
     good = str(study_model)
-    arm = lambda lr, path=good, groups=1: {"trainer.lr": lr, "trainer.batch_groups": groups, "models.0.path": path}  # noqa
-    # arm 2's steps take four groups each: slow enough that the prune lands while it runs
-    arms = [arm(2e-3), arm(1e-3), arm(1e-5, groups=4), arm(2e-3, path="/nonexistent/tiny")]
+    arm = lambda lr, path=good, steps=STEPS: {"trainer.lr": lr, "trainer.steps": steps, "models.0.path": path}  # noqa
+    # arm 2 would run LONG_STEPS steps: it cannot finish before the prune at rung 2 lands, however fast it runs
+    arms = [arm(2e-3), arm(1e-3), arm(1e-5, steps=LONG_STEPS), arm(2e-3, path="/nonexistent/tiny")]
     path = write_study(folder, {
         "name": name, "arms": arms, "seeds": [0, 1],
         "metric": {"name": "train/lr", "summary": "final", "window": 1},
@@ -108,7 +109,7 @@ def test_pruning_stops_a_clearly_worse_arm_at_a_rung(finished):
     assert prune["arm"] == 2 and prune["rung"] == 2 and prune["leader"] == 0
     assert list(arms[2]) == [0]  # its second seed was never launched: the slot went to other arms
     row = arms[2][0]
-    assert row["status"] == "pruned" and 2 <= int(row["steps"]) < STEPS, row  # stopped mid-run
+    assert row["status"] == "pruned" and 2 <= int(row["steps"]) < LONG_STEPS, row  # stopped mid-run
     [res] = [r for r in finished["state"]["results"] if r.trial == 2]
     assert res.curve and res.curve[-1][0] == int(row["steps"])  # its partial curve is kept
     assert "arm 2: rung 2" in finished["report"]
