@@ -40,12 +40,13 @@ class EmbeddedServer:
     """One valkey-server process. `start()` returns once it answers PING."""
 
     def __init__(self, run_dir: str | os.PathLike = DEFAULT_RUN_DIR, *, port: int = 0,
-                 password: str | None = None, host: str = "127.0.0.1"):
+                 password: str | None = None, host: str = "127.0.0.1", extra: list[str] | None = None):
         self.run_dir = Path(run_dir)
         self.data_dir = self.run_dir / "redis"
         self.port = port or free_port()
         self.password = password
         self.host = host
+        self.extra = list(extra or [])  # more valkey-server options (a cluster node's, see jet.queues.cluster)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -66,7 +67,7 @@ class EmbeddedServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        return args
+        return args + self.extra
 
     def start(self, timeout: float = 15.0) -> "EmbeddedServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)

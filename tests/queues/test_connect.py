@@ -20,7 +20,7 @@ import anyio
 import pytest
 from anyio.streams.tls import TLSListener
 
-from jet.errors import ConnectError, QueueError, ServerVersionError
+from jet.errors import AuthError, ConnectError, ServerVersionError, is_fatal
 from jet.queues.connect import connect, redact, retry_forever
 from jet.queues.producer import Producer
 from jet.queues.server import EmbeddedServer, free_port
@@ -56,8 +56,9 @@ async def test_password_url_works_and_wrong_or_missing_password_is_refused(tmp_p
             (server.url.replace(PASSWORD, "not-it-77"), f"redis://:***@127.0.0.1:{server.port}/0"),
             (f"redis://127.0.0.1:{server.port}/0", f"redis://127.0.0.1:{server.port}/0"),
         ]:
-            with pytest.raises(ConnectError) as e:
+            with pytest.raises(AuthError) as e:  # fatal, and no ConnectError: never retried
                 await connect(bad)
+            assert is_fatal(e.value) and not isinstance(e.value, ConnectError)
             msg = str(e.value)
             assert "authentication" in msg and "failed" in msg
             assert shown in msg
@@ -78,12 +79,12 @@ async def test_acl_user_connects_and_commits_through_lua(tmp_path, keys):
         await r.aclose()
         assert await hop_one(url, keys) == list(range(5))
 
-        with pytest.raises(ConnectError, match="authentication") as e:
+        with pytest.raises(AuthError, match="authentication") as e:
             await connect(f"redis://jetuser:wrong-99@127.0.0.1:{server.port}/0")
         assert f"redis://jetuser:***@127.0.0.1:{server.port}/0" in str(e.value)
         assert "wrong-99" not in str(e.value)
 
-        with pytest.raises(QueueError, match="NOPERM|no permissions"):
+        with pytest.raises(AuthError, match="NOPERM|no permissions"):  # fatal too: a restart cannot grant it
             await hop_one(f"redis://noscript:pw-43@127.0.0.1:{server.port}/0", keys)
         await admin.aclose()
 
