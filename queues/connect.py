@@ -159,6 +159,21 @@ def _cluster_exception(e: BaseException, text: str, url: str, where: str) -> Que
     return QueueError(f"Redis Cluster at {where}: {e}")
 
 
+def _closed_under_a_command(e: BaseException) -> bool:
+    """redis-py 8.1 lets a connection closed while a command used it (a peer reset, or the cluster
+    client closing every connection on CLUSTERDOWN while other tasks run commands) surface as an
+    AttributeError/TypeError from its own connection code, not a ConnectionError
+    (redis/redis-py#4287). Only those count: the same errors anywhere else are bugs, raised as is."""
+    if not isinstance(e, (AttributeError, TypeError)):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("redis", "asyncio", "connection.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 @contextlib.contextmanager
 def translated(url: str):
     """Translate redis errors raised inside the block."""
@@ -166,6 +181,10 @@ def translated(url: str):
         yield
     except (rex.RedisError, rex.RedisClusterException, OSError) as e:
         raise translate(e, url) from e
+    except (AttributeError, TypeError) as e:
+        if not _closed_under_a_command(e):
+            raise
+        raise ConnectError(f"connection to Redis at {redact(url)} closed under a command: {e!r}") from e
 
 
 def parse_version(info: dict[Any, Any]) -> tuple[int, ...]:

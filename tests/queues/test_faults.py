@@ -25,10 +25,17 @@ from .helpers import close, entry, make_consumer, read_all, serve
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def spawn(url: str, run: str, slot: int, *args: str, ready: Path | None = None) -> subprocess.Popen:
+def spawn(url: str, run: str, slot: int, *args: str, ready: Path | None = None,
+          log: Path | None = None) -> subprocess.Popen:
+    """A hop worker process; with `ready`, it creates that file once connected; `log` takes its stderr."""
     env = {**os.environ, "JET_READY_FILE": str(ready)} if ready else None
-    return subprocess.Popen([sys.executable, "-m", "tests.queues.hop_worker", url, run, str(slot), *args],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
+    err = open(log, "ab") if log else None
+    try:
+        return subprocess.Popen([sys.executable, "-m", "tests.queues.hop_worker", url, run, str(slot), *args],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    finally:
+        if err:
+            err.close()
 
 
 async def wait_ready(files: list[Path], timeout: float = 60) -> None:
