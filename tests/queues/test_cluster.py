@@ -259,3 +259,35 @@ async def test_run_survives_a_restart_of_its_primary(tmp_path):
 
 async def _at_least(r, stream: str, n: int) -> bool:
     return await r.xlen(stream) >= n
+
+
+def test_jet_server_cluster_prints_a_cluster_url_that_other_commands_find(tmp_path):
+    import subprocess
+    import sys
+
+    import orjson
+
+    jet = [sys.executable, "-m", "jet.cli"]
+    p = subprocess.Popen(jet + ["server", "--cluster", "3", "--port", "0", "--run-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline().strip()
+        assert line.startswith("JET_REDIS_URL=redis+cluster://127.0.0.1:"), p.stderr.read()
+        url = line.split("=", 1)[1]
+
+        async def primaries() -> int:
+            r = await connect(url)
+            try:
+                await r.xadd(Keys("srvcl").tasks("a"), entry(1))
+                return len(r.get_primaries())
+            finally:
+                await r.aclose()
+
+        assert anyio.run(primaries) == 3
+        res = subprocess.run(jet + ["status", "--run-dir", str(tmp_path), "--json"],  # found via server.json
+                             capture_output=True, text=True, check=True)
+        assert [r["run"] for r in orjson.loads(res.stdout)] == ["srvcl"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0, p.stderr.read()
+    assert not (tmp_path / "server.json").exists()
