@@ -149,6 +149,15 @@ async def test_settle_reloads_a_flushed_script_on_the_slot_owner(cluster, embedd
             with flush() as node:
                 node.script_flush()
         assert await c.commit([(d, []) for d in got[1:]]) == [True, True]
+        if flush is None:
+            await c.r.script_flush()
+        else:
+            with flush() as node:
+                node.script_flush()
+        # redis-py's registered scripts (Producer's PRODUCE, safe_trim's SAFE_TRIM) reload once too
+        await Producer(c.r, url, keys, keys.tasks("b"), dedup=True).send([entry(i) for i in range(3)])
+        assert await c.r.xlen(keys.tasks("b")) == 3
+        assert await safe_trim(c.r, src) == 3  # the group read and acked all three
         await close(c)
 
 
@@ -164,6 +173,17 @@ async def test_plain_url_to_a_cluster_node_is_a_fatal_moved_error(cluster, caplo
     assert is_fatal(e.value)
     msg = str(e.value)
     assert "MOVED" in msg and "redis+cluster://" in msg and plain in msg
+
+
+async def test_a_password_cluster_takes_its_password_from_the_url(tmp_path, keys):
+    from jet.errors import AuthError
+
+    with EmbeddedCluster(tmp_path / "pw", password="s3cret-9") as c:
+        assert ":s3cret-9@" in c.url
+        await hop(c.url, keys, 5)
+        with anyio.fail_after(20), pytest.raises(AuthError) as e:
+            await connect(c.url.replace("s3cret-9", "wrong-4"))
+        assert is_fatal(e.value) and "redis+cluster://:***@" in str(e.value) and "wrong-4" not in str(e.value)
 
 
 async def test_cluster_url_to_a_single_server_is_a_fatal_error(embedded):
