@@ -37,14 +37,22 @@ class ConnectError(QueueError):
     """The server cannot be reached (the message names the URL, password redacted)."""
 
 
-class AuthError(ConnectError):
-    """The server refused the credentials: waiting does not help, so it is never retried."""
+class AuthError(QueueError):
+    """The server refused the credentials (or, NOPERM, a command for this ACL user): waiting does not
+    help, so it is never retried. Not a ConnectError, so no reconnect loop swallows it."""
 
     fatal = True
 
 
 class ServerVersionError(QueueError):
     """The server is older than the minimum Redis API Jet needs (7.0)."""
+
+    fatal = True
+
+
+class ServerError(QueueError):
+    """The server is not one Jet can work with: it does not speak RESP, or it loses the scripts it
+    was just sent (NOSCRIPT right after SCRIPT LOAD: a load balancer over independent servers)."""
 
     fatal = True
 

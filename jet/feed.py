@@ -43,8 +43,12 @@ class Feeder:
         self.last_report: list[tuple] = []
         self._cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._cm.__enter__()
-        self.r = self.portal.call(self._connect)
-        self.portal.call(self._start_cursors)
+        try:
+            self.r = self.portal.call(self._connect)
+            self.portal.call(self._start_cursors)
+        except BaseException:  # e.g. a fatal MOVED or refused password: the portal thread must not outlive us
+            self._cm.__exit__(None, None, None)
+            raise
 
     async def _connect(self):
         from jet.queues.connect import connect
@@ -53,6 +57,12 @@ class Feeder:
 
     async def _start_cursors(self) -> None:
         """Count only trajectories made from now on (the run may hold older ones)."""
+        from jet.queues.connect import translated
+
+        with translated(self.url):
+            await self._cursors()
+
+    async def _cursors(self) -> None:
         for m in self.cfg.models:
             last = await self.r.xrevrange(self.keys.traj(m.name), count=1)
             if last:
@@ -67,7 +77,13 @@ class Feeder:
     # -- topping up -----------------------------------------------------------
 
     def tick(self) -> None:
-        self.portal.call(self._tick)
+        from jet.queues.connect import translated
+
+        async def tick() -> None:
+            with translated(self.url):  # a redis error is a JetError here: fatal ones end `jet up`
+                await self._tick()
+
+        self.portal.call(tick)
 
     async def _tick(self) -> None:
         report = []
@@ -157,8 +173,15 @@ def cli(config_path, overrides, every, redis_url, run_dir) -> None:
     import signal
     import time
 
+    from jet.errors import JetError, is_fatal
+    from jet.supervisor import EXIT_FATAL
+
     cfg = load_config(config_path, overrides)
-    feed = Feeder(cfg, resolve_url(redis_url, run_dir))
+    try:
+        feed = Feeder(cfg, resolve_url(redis_url, run_dir))
+    except JetError as e:  # one line, and EXIT_FATAL when no restart can help (jet.supervisor)
+        click.echo(f"jet feed: error: {e}", err=True)
+        raise SystemExit(EXIT_FATAL if is_fatal(e) else 1) from None
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
@@ -168,5 +191,8 @@ def cli(config_path, overrides, every, redis_url, run_dir) -> None:
             time.sleep(every)
     except KeyboardInterrupt:
         pass
+    except JetError as e:
+        click.echo(f"jet feed: error: {e}", err=True)
+        raise SystemExit(EXIT_FATAL if is_fatal(e) else 1) from None
     finally:
         feed.close()

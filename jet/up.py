@@ -30,7 +30,7 @@ import click
 
 from jet.cliopts import config_options, load_config
 from jet.config import JetConfig
-from jet.errors import ConfigError
+from jet.errors import ConfigError, JetError
 from jet.supervisor import Child, Supervisor
 
 DEFAULT_MODEL_HOME = ".jet/models"  # models under this folder are built on demand
@@ -113,11 +113,20 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
     from jet.feed import Feeder
 
     sup = Supervisor(lambda bank: roles, env={**os.environ, "JET_REDIS_URL": redis_url})
-    feed = Feeder(cfg, redis_url)
+    try:
+        feed = Feeder(cfg, redis_url)
+    except JetError as e:  # refused password, MOVED from a cluster node, ...: say so, start nothing
+        sup.close()
+        if server:
+            server.stop()
+        raise click.ClickException(str(e)) from None
     dash = None if no_dash else _start_dashboard(cfg, redis_url, run_path / "logs", dash_port)
     code, started = 0, time.monotonic()
     try:
         code = _run(cfg, sup, feed, episodes, no_live, dash.url if dash else None)
+    except JetError as e:  # from the feeder, in this process: the roles are stopped below
+        click.echo(f"jet up: error: {e}", err=True)
+        code = 1
     finally:
         click.echo(feed.summary(), err=True)
         if sup.stops == 0:

@@ -34,7 +34,7 @@ import redis.exceptions as rex
 from jet.errors import CodecError
 from jet.keys import Keys
 from jet.queues import codec, scripts
-from jet.queues.connect import translated
+from jet.queues.connect import is_cluster, translated
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,7 @@ class Consumer:
         self.claimed: list[tuple[str, dict, int]] = []  # fed by the Reaper
         self._own_pending = True  # re-read our own PEL first, once per (re)start
         self._own_from = "-"  # where the next page of that re-read starts (exclusive after the first)
+        self._cluster = is_cluster(self.r)  # no raw connections there: the settle goes the normal way
         self._settle = self.r.register_script(scripts.SETTLE)
         self._lease = self.r.register_script(scripts.LEASE)
 
@@ -422,7 +423,12 @@ class Consumer:
         """`script(keys, args)`, but packed here in one pass (`resp`) and sent on a pooled
         connection: redis-py's asyncio packer costs ~1 us per argument, and a commit of
         200 small entries has ~3,000. Retried on a dropped connection like any redis-py
-        command (scripts are safe to re-run); NOSCRIPT loads the script and runs it again."""
+        command (scripts are safe to re-run); NOSCRIPT loads the script and runs it again,
+        once: a second NOSCRIPT is raised (a fatal ServerError once translated), never looped.
+        On a cluster the script goes through the cluster client (every key is in the run's
+        slot, so it is routed to that slot's primary; SCRIPT LOAD reaches every primary)."""
+        if self._cluster:
+            return await script(keys=keys, args=args)
         pool = self.r.connection_pool
         encode = pool.get_encoder().encode
         conn = await pool.get_connection()

@@ -42,7 +42,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import anyio
 
-from jet.errors import ConnectError, QueueError
+from jet.errors import ConnectError, QueueError, is_fatal
 from jet.keys import BEST_EFFORT_GROUPS, Keys
 from jet.queues.connect import connect, retry_forever
 from jet.queues.consumer import Commit, Dead, Delivery, Drop, Outcome, Release, Settings
@@ -86,7 +86,10 @@ class Runtime:
         return self.c.inflight
 
     def check(self) -> None:
-        """Raise what stopped the helpers, if anything did (for callers outside the event loop)."""
+        """Raise what stopped the helpers, if anything did (for callers outside the event loop);
+        a fatal error as it is, so the role still exits with EXIT_FATAL."""
+        if is_fatal(self.failure):
+            raise self.failure
         if self.failure is not None:
             raise QueueError(f"the consumer runtime of {self.name} stopped: {self.failure}") from self.failure
 

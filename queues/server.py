@@ -5,6 +5,7 @@ never silently lose entries), data lives under `<run_dir>/redis/`. A small
 `server.json` in the run directory records the URL and pid, so other `jet`
 commands on the same machine find the server without being told.
 This is for one machine (`jet up`, tests, demos); deployments use any Redis >= 7.
+`jet server --cluster N` runs N of them as a local Redis Cluster (jet.queues.cluster).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ class EmbeddedServer:
     """One valkey-server process. `start()` returns once it answers PING."""
 
     def __init__(self, run_dir: str | os.PathLike = DEFAULT_RUN_DIR, *, port: int = 0,
-                 password: str | None = None, host: str = "127.0.0.1"):
+                 password: str | None = None, host: str = "127.0.0.1", extra: list[str] | None = None):
         self.run_dir = Path(run_dir)
         self.data_dir = self.run_dir / "redis"
         self.port = port or free_port()
         self.password = password
         self.host = host
+        self.extra = list(extra or [])  # more valkey-server options (a cluster node's, see jet.queues.cluster)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -64,7 +66,7 @@ class EmbeddedServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        return args
+        return args + self.extra
 
     def start(self, timeout: float = 15.0) -> "EmbeddedServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)

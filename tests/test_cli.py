@@ -6,6 +6,7 @@ import sys
 
 import anyio
 import orjson
+import pytest
 from click.testing import CliRunner
 
 from jet.cli import main
@@ -62,6 +63,7 @@ def test_server_subprocess_prints_url_and_stops_cleanly(tmp_path):
     assert list((tmp_path / "redis").rglob("*.aof")), "AOF files are written under the run dir"
 
 
+@pytest.mark.cluster  # also on a local Redis Cluster (tests/conftest.py)
 def test_enqueue_jsonl_groups(redis_url, keys, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"q": 1}\n\n{"q": 2}\n')
@@ -93,6 +95,7 @@ def test_enqueue_bad_input_is_a_clear_error(redis_url, keys, tmp_path):
     assert res.exit_code == 2 and "exactly one of --file or --dataset" in res.output
 
 
+@pytest.mark.cluster  # also on a local Redis Cluster (tests/conftest.py)
 def test_status_shows_lengths_pending_and_consumers(redis_url, keys):
     async def seed():
         c = await make_consumer(redis_url, keys, keys.tasks("guess"), "worker-1")
@@ -113,6 +116,7 @@ def test_status_shows_lengths_pending_and_consumers(redis_url, keys):
     assert "tasks:guess" in table.output and "worker-1" in table.output
 
 
+@pytest.mark.cluster  # also on a local Redis Cluster (tests/conftest.py)
 def test_dlq_list_requeue_drop(redis_url, keys):
     src = keys.tasks("guess")
 

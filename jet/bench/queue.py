@@ -81,27 +81,37 @@ def entries(label: str, n: int, wire: bool = False) -> list[dict[bytes, bytes]]:
     return [one(i, ids) for i in range(n)]
 
 
+async def infos(r, section: str) -> list[dict]:
+    """INFO `section` of the server, or of every primary of a cluster."""
+    from jet.queues.connect import is_cluster
+
+    if is_cluster(r):
+        return list((await r.info(section, target_nodes=r.PRIMARIES)).values())
+    return [await r.info(section)]
+
+
 async def server_cpu(r) -> float:
-    info = await r.info("cpu")
-    return sum(float(v) for k, v in info.items() if k in ("used_cpu_user", "used_cpu_sys"))
+    return sum(float(v) for info in await infos(r, "cpu") for k, v in info.items()
+               if k in ("used_cpu_user", "used_cpu_sys"))
 
 
 async def idle_server(r) -> None:
     """Wait out a background AOF rewrite, so it does not land inside one measurement."""
     with anyio.move_on_after(60):
-        while int((await r.info("persistence")).get("aof_rewrite_in_progress", 0) or 0):
+        while any(int(i.get("aof_rewrite_in_progress", 0) or 0) for i in await infos(r, "persistence")):
             await anyio.sleep(0.1)
 
 
 async def drop_run(r, keys: Keys) -> None:
-    """Delete the run's keys (streams and ~N markers), one UNLINK per SCAN page."""
-    cursor = 0
-    while True:
-        cursor, found = await r.scan(cursor, match=keys.pattern(), count=5000)
-        if found:
+    """Delete the run's keys (streams and ~N markers), one UNLINK per 5,000 (SCAN: every primary)."""
+    found = []
+    async for key in r.scan_iter(match=keys.pattern(), count=5000):
+        found.append(key)
+        if len(found) >= 5000:
             await r.unlink(*found)
-        if not cursor:
-            return
+            found = []
+    if found:
+        await r.unlink(*found)
 
 
 async def raw_fill(r, stream: str, data: list[dict[bytes, bytes]], pipe: int = 100) -> tuple[float, float]:

@@ -5,7 +5,8 @@ consumer runtime's atomic commit. Run as
 Batches by default (`serve_batches`, sleeping `--sleep` per batch); with `--each N`,
 one handler call per message, N in flight (`serve_each`), each sleeping the
 message's own `sleep` on its first delivery (else, and later, `--sleep`). It prints `start <n>` / `done <n>` lines
-on stdout (flushed), so a test can act at a known point of the work.
+on stdout (flushed), so a test can act at a known point of the work; once connected it
+creates $JET_READY_FILE (`jet.supervisor.mark_ready`), so a test knows SIGTERM now drains.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jet.keys import Keys
 from jet.queues import codec
 from jet.queues.consumer import Settings, consumer_name
 from jet.queues.runtime import Commit, Runtime
-from jet.supervisor import run_role
+from jet.supervisor import mark_ready, run_role
 
 
 def say(*parts) -> None:
@@ -49,6 +50,7 @@ async def main(args, stop: anyio.Event) -> None:
         return Commit([(dst, output(d, name))])
 
     async with Runtime(args.url, keys, keys.tasks("src"), "g", name, cfg, stop=stop) as rt:
+        mark_ready()  # connected, signal handlers in place: a SIGTERM from now on drains
         if args.each:
             await rt.serve_each(handle_one, stop, concurrency=args.each, drain_timeout_s=args.drain_s)
         else:

@@ -20,8 +20,8 @@ import anyio
 import pytest
 from anyio.streams.tls import TLSListener
 
-from jet.errors import ConnectError, QueueError, ServerVersionError
-from jet.queues.connect import connect, redact, retry_forever
+from jet.errors import AuthError, ConfigError, ConnectError, ServerError, ServerVersionError, is_fatal
+from jet.queues.connect import connect, redact, retry_forever, translated
 from jet.queues.producer import Producer
 from jet.queues.server import EmbeddedServer, free_port
 
@@ -56,8 +56,9 @@ async def test_password_url_works_and_wrong_or_missing_password_is_refused(tmp_p
             (server.url.replace(PASSWORD, "not-it-77"), f"redis://:***@127.0.0.1:{server.port}/0"),
             (f"redis://127.0.0.1:{server.port}/0", f"redis://127.0.0.1:{server.port}/0"),
         ]:
-            with pytest.raises(ConnectError) as e:
+            with pytest.raises(AuthError) as e:  # fatal, and no ConnectError: never retried
                 await connect(bad)
+            assert is_fatal(e.value) and not isinstance(e.value, ConnectError)
             msg = str(e.value)
             assert "authentication" in msg and "failed" in msg
             assert shown in msg
@@ -78,12 +79,12 @@ async def test_acl_user_connects_and_commits_through_lua(tmp_path, keys):
         await r.aclose()
         assert await hop_one(url, keys) == list(range(5))
 
-        with pytest.raises(ConnectError, match="authentication") as e:
+        with pytest.raises(AuthError, match="authentication") as e:
             await connect(f"redis://jetuser:wrong-99@127.0.0.1:{server.port}/0")
         assert f"redis://jetuser:***@127.0.0.1:{server.port}/0" in str(e.value)
         assert "wrong-99" not in str(e.value)
 
-        with pytest.raises(QueueError, match="NOPERM|no permissions"):
+        with pytest.raises(AuthError, match="NOPERM|no permissions"):  # fatal too: a restart cannot grant it
             await hop_one(f"redis://noscript:pw-43@127.0.0.1:{server.port}/0", keys)
         await admin.aclose()
 
@@ -302,3 +303,57 @@ async def test_retry_forever_lets_other_errors_through():
     with anyio.fail_after(5), pytest.raises(ServerVersionError):
         await retry_forever(broken, url="redis://x", what="x")
     assert calls == 1
+
+
+# -- what no retry can fix is fatal -------------------------------------------------
+
+
+async def test_a_server_that_is_not_redis_is_a_fatal_error():
+    """An HTTP server where Redis should be: a fatal ServerError, not reconnecting forever."""
+    import sys
+
+    port = free_port()
+    http = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with anyio.fail_after(20):
+            while True:
+                try:
+                    await (await anyio.connect_tcp("127.0.0.1", port)).aclose()
+                    break
+                except OSError:
+                    await anyio.sleep(0.1)
+            for scheme in ("redis", "redis+cluster"):
+                with pytest.raises(ServerError, match="does not answer like a Redis server") as e:
+                    await connect(f"{scheme}://127.0.0.1:{port}/0")
+                assert is_fatal(e.value)
+    finally:
+        http.kill()
+        http.wait()
+
+
+@pytest.mark.parametrize("url, why", [
+    ("redis+clustr://127.0.0.1:1/0", "must specify one of the following schemes"),
+    ("redis+cluster://:pw@127.0.0.1:1/3", "'db' must be 0"),
+])
+async def test_a_malformed_url_is_a_config_error(url, why):
+    with pytest.raises(ConfigError, match=why) as e:
+        await connect(url)
+    assert is_fatal(e.value) and "redis+cluster://" in str(e.value) and ":pw@" not in str(e.value)
+
+
+async def test_a_connection_closed_under_a_command_is_a_connect_error(embedded):
+    """redis-py 8.1 (redis/redis-py#4287) raises AttributeError from its connection code when a
+    concurrent disconnect (the cluster client closes every connection on CLUSTERDOWN) took the
+    writer away mid-command: that is a dropped connection, retried like one. The same error from
+    anywhere else is a bug and stays what it is."""
+    from redis.asyncio.connection import Connection
+
+    conn = Connection(host="127.0.0.1", port=embedded.port)
+    await conn.connect()
+    conn._writer = None  # where a concurrent disconnect leaves it, between connect and write
+    with pytest.raises(ConnectError, match="closed under a command"), translated(embedded.url):
+        await conn._send_packed_command(conn.pack_command("PING"))
+    with pytest.raises(AttributeError), translated(embedded.url):
+        None.writelines  # noqa: B018 - our own bug, not redis-py's
+    await conn.disconnect()

@@ -1,6 +1,7 @@
 """Real faults: SIGKILLed consumer processes, SIGTERM drains, cancelled reads,
 and a server restart, each checked for exactly-once outputs and nothing pending."""
 
+import os
 import random
 import signal
 import subprocess
@@ -24,9 +25,24 @@ from .helpers import close, entry, make_consumer, read_all, serve
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def spawn(url: str, run: str, slot: int, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.queues.hop_worker", url, run, str(slot), *args],
-                            cwd=ROOT, stdout=subprocess.DEVNULL)
+def spawn(url: str, run: str, slot: int, *args: str, ready: Path | None = None,
+          log: Path | None = None) -> subprocess.Popen:
+    """A hop worker process; with `ready`, it creates that file once connected; `log` takes its stderr."""
+    env = {**os.environ, "JET_READY_FILE": str(ready)} if ready else None
+    err = open(log, "ab") if log else None
+    try:
+        return subprocess.Popen([sys.executable, "-m", "tests.queues.hop_worker", url, run, str(slot), *args],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    finally:
+        if err:
+            err.close()
+
+
+async def wait_ready(files: list[Path], timeout: float = 60) -> None:
+    """Until every process made its ready file: a SIGTERM before that would kill it, not drain it."""
+    with anyio.fail_after(timeout):
+        while not all(f.exists() for f in files):
+            await anyio.sleep(0.05)
 
 
 async def fill(url: str, keys: Keys, n: int) -> None:
@@ -74,11 +90,12 @@ def assert_exactly_once(out, n):
 
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_chaos_sigkill_and_restart_consumers(redis_url, keys):
+async def test_chaos_sigkill_and_restart_consumers(redis_url, keys, tmp_path):
     n, slots = 3000, 3
     await fill(redis_url, keys, n)
     args = ["--lease-ms", "700", "--sleep", "0.05", "--batch", "10"]
-    procs = {s: spawn(redis_url, keys.run, s, *args) for s in range(slots)}
+    ready = {s: tmp_path / f"ready-{s}" for s in range(slots)}
+    procs = {s: spawn(redis_url, keys.run, s, *args, ready=ready[s]) for s in range(slots)}
     rng, kills, next_kill = random.Random(7), 0, time.monotonic() + 0.5
 
     def chaos():
@@ -89,14 +106,16 @@ async def test_chaos_sigkill_and_restart_consumers(redis_url, keys):
         procs[s].send_signal(signal.SIGKILL)
         procs[s].wait()
         kills += 1
+        ready[s].unlink(missing_ok=True)
         if rng.random() < 0.7:  # usually restart at once under the same name; else later
-            procs[s] = spawn(redis_url, keys.run, s, *args)
+            procs[s] = spawn(redis_url, keys.run, s, *args, ready=ready[s])
         else:
-            procs[s] = spawn(redis_url, keys.run, s + slots * kills, *args)
+            procs[s] = spawn(redis_url, keys.run, s + slots * kills, *args, ready=ready[s])
         next_kill = time.monotonic() + rng.uniform(0.3, 0.8)
 
     try:
         out, _ = await wait_outputs(redis_url, keys, n, 240, during=chaos)
+        await wait_ready(list(ready.values()))  # one may have been started a moment ago
         for p in procs.values():
             p.send_signal(signal.SIGTERM)
         for p in procs.values():

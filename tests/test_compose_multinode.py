@@ -1,0 +1,155 @@
+"""docker-compose.multinode.yml is correct: one profile per kind of node, and each service's command
+run locally (as tests/test_compose.py does for docker-compose.yml: no Docker engine here).
+
+Variables take the test's values (${VAR:-default} and ${VAR:?message} resolved like compose does),
+`cuda` becomes `cpu`, and the trainer's torchrun line runs as a one-node, one-rank job.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jet.queues.server import binary, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE = ROOT / "docker-compose.multinode.yml"
+PROFILES = {"redis": {"redis", "feed"}, "env": {"env", "gateway"}, "infer": {"infer"}, "trainer": {"trainer"}}
+VAR = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
+
+
+def compose() -> dict:
+    return yaml.safe_load(FILE.read_text())
+
+
+def resolve(value: str, env: dict[str, str]) -> str:
+    """What compose makes of ${VAR}, ${VAR:-default} and ${VAR:?error} with `env`."""
+    def one(m: re.Match) -> str:
+        name, op, arg = m.groups()
+        if env.get(name):
+            return env[name]
+        if op == "?":
+            raise KeyError(f"{name}: {arg}")
+        return arg or ""
+    return VAR.sub(one, value)
+
+
+def test_structure():
+    services = compose()["services"]
+    by_profile = {}
+    for name, svc in services.items():
+        [profile] = svc["profiles"]
+        by_profile.setdefault(profile, set()).add(name)
+    assert by_profile == PROFILES
+    args = services["redis"]["command"]
+    assert args[args.index("--appendonly") + 1] == "yes" and "--requirepass" in args
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    for name, svc in services.items():
+        if name == "redis":
+            continue
+        assert svc["environment"]["JET_REDIS_URL"].startswith("${JET_REDIS_URL:?"), name
+        assert any(v.endswith(":/app/runs") for v in svc["volumes"]) and any(
+            v.endswith(":/app/.jet/models") for v in svc["volumes"]), name
+        assert "depends_on" not in svc  # Redis is on another machine: the roles wait for it themselves
+    for name in ("infer", "trainer"):
+        assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    trainer = services["trainer"]["command"]
+    assert trainer[0] == "torchrun" and trainer[trainer.index("--module") + 1] == "jet.trainer.cli"
+    assert trainer[trainer.index("--backend") + 1] == "deepspeed" and "--node-rank" in trainer
+    assert services["trainer"]["network_mode"] == "host"
+    with pytest.raises(KeyError, match="JET_REDIS_URL"):  # a node without the URL refuses to start
+        resolve(services["env"]["environment"]["JET_REDIS_URL"], {})
+
+
+def test_redis_service_arguments_start_a_real_server(tmp_path):
+    args = [resolve(a, {"REDIS_PASSWORD": "pw"}) for a in compose()["services"]["redis"]["command"]]
+    port = free_port()
+    p = subprocess.Popen([binary(), *args[1:], "--port", str(port), "--dir", str(tmp_path), "--bind", "127.0.0.1"],
+                         stdout=subprocess.DEVNULL)
+    try:
+        import redis
+
+        r = redis.Redis(port=port, password="pw")
+        for _ in range(100):
+            try:
+                assert r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+        assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def local_argv(name: str, env: dict[str, str]) -> list[str]:
+    argv = [resolve(a, env) for a in compose()["services"][name]["command"]]
+    argv = ["cpu" if a == "cuda" else a for a in argv]
+    if argv[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    return [sys.executable, "-m", "jet.cli", *argv[1:]]
+
+
+@pytest.mark.slow
+def test_every_service_command_runs(tmp_path, redis_url):
+    import shutil
+
+    from jet.models import init_model
+
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    run = f"multinode{os.getpid()}"  # its own keys on the session's server
+    cfg = yaml.safe_load((tmp_path / "configs" / "default.yaml").read_text())
+    (tmp_path / "configs" / "default.yaml").write_text(yaml.safe_dump({**cfg, "run": run}))
+    init_model(tmp_path / ".jet" / "models" / "tiny", seed=0)
+    env = {"JET_REDIS_URL": redis_url, "ENV_PROCS": "2", "TRAINER_PORT": str(free_port()),
+           "TRAINER_MASTER": "127.0.0.1", "JET_CONFIG": "configs/default.yaml"}
+    procs, logs = {}, {}
+    for name in sorted(set().union(*PROFILES.values()) - {"redis"}):
+        logs[name] = tmp_path / f"{name}.log"
+        with open(logs[name], "wb") as out:
+            procs[name] = subprocess.Popen(local_argv(name, env), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **env}, start_new_session=True)
+    try:
+        # Every role starts (imports, model load, groups, gateway bind); the trainer's rank is up once
+        # its group exists (DeepSpeed built its CPU comm op first, which takes a while here).
+        deadline = time.monotonic() + 300
+        while not trainer_group(redis_url, run) or time.monotonic() < deadline - 270:
+            for name, p in procs.items():
+                assert p.poll() is None, f"{name} exited early:\n{logs[name].read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the trainer rank never joined:\n" + logs["trainer"].read_text()[-3000:]
+            time.sleep(1)
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        codes = {name: p.wait(120) for name, p in procs.items()}
+    assert codes == {**{n: 0 for n in codes}, "trainer": codes["trainer"]}, {
+        n: logs[n].read_text()[-1500:] for n in codes}
+    # torchrun forwards SIGTERM to its rank, which drains and exits 0; torchrun itself then reports
+    # the signal (non-zero, as it does for any signal: compose's restart policy ignores a stop).
+    trainer = logs["trainer"].read_text()
+    assert "trainer of tiny stopped at step" in trainer and "got signal: 15" in trainer, trainer[-3000:]
+
+
+def trainer_group(url: str, run: str) -> bool:
+    import anyio
+
+    from jet.keys import GROUP_TRAINER, Keys
+    from jet.queues.connect import connect
+
+    async def probe() -> bool:
+        r = await connect(url)
+        try:
+            key = Keys(run).traj("tiny")
+            return bool(await r.exists(key)) and any(
+                g["name"] == GROUP_TRAINER.encode() for g in await r.xinfo_groups(key))
+        finally:
+            await r.aclose()
+
+    return anyio.run(probe)
