@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jet.config import default_config_path
 from jet.queues.server import binary, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,9 +104,10 @@ def test_every_service_command_runs(tmp_path, redis_url):
 
     from jet.models import init_model
 
-    shutil.copytree(ROOT / "configs", tmp_path / "configs")
     run = f"multinode{os.getpid()}"  # its own keys on the session's server
-    cfg = yaml.safe_load((tmp_path / "configs" / "default.yaml").read_text())
+    cfg = yaml.safe_load(default_config_path().read_text())
+    cfg["models"][0]["path"] = str(tmp_path / ".jet" / "models" / "tiny")  # the volume's place in /app
+    (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "default.yaml").write_text(yaml.safe_dump({**cfg, "run": run}))
     init_model(tmp_path / ".jet" / "models" / "tiny", seed=0)
     env = {"JET_REDIS_URL": redis_url, "ENV_PROCS": "2", "TRAINER_PORT": str(free_port()),

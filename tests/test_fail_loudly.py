@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jet.config import default_config_path
+
 from jet.keys import Keys
 from jet.supervisor import EXIT_FATAL, Child, Supervisor
 
@@ -50,7 +52,7 @@ def run_on_other_node(cluster, prefix: str = "loud") -> str:
 
 
 def write_config(tmp_path: Path, run: str, model: Path) -> Path:
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg = yaml.safe_load(default_config_path().read_text())
     cfg.update(run=run, runs_dir=str(tmp_path / "runs"))
     cfg["models"][0]["path"] = str(model)
     cfg["tasks"][0]["concurrency"] = 2
