@@ -86,6 +86,11 @@ class ScriptedBackend:
             outs.append(GenOutput(ids, [-0.5] * len(ids), finish, None, self.version))
         return outs
 
+    async def agenerate_one(self, prompt, sp):
+        """The inference worker's per-request call (requests in flight run side by side, in threads)."""
+        [out] = await anyio.to_thread.run_sync(self.generate, [prompt], [sp])
+        return out
+
 
 @contextlib.asynccontextmanager
 async def inference_and_client(cfg, url, backend=None):
