@@ -108,8 +108,9 @@ def trajectory(prompt: list[int], out, group: int, index: int, n: int, group_siz
 
 
 async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, stop: anyio.Event,
-                   produced: list[int]) -> None:
-    """The synthetic rollout fleet: `slots` concurrent episodes until `stop`."""
+                   produced: list[int], weights_root: Path) -> None:
+    """The synthetic rollout fleet: `slots` concurrent episodes until `stop`, following the trainer's
+    weights (announced under `weights_root`) as an inference worker does."""
     from jet.queues.connect import connect
     from jet.queues.producer import Producer
     from jet.workers.hf_backend import HFBackend, SamplingParams
@@ -117,7 +118,7 @@ async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, st
 
     backend = await anyio.to_thread.run_sync(HFBackend, model_dir)
     r, rb = await connect(url), await connect(url, block_ms=500)
-    follower = WeightFollower(rb, url, keys, MODEL, block_ms=500)
+    follower = WeightFollower(r, rb, url, keys, MODEL, "bench-rollouts", [weights_root], block_ms=500)
     producer = Producer(r, url, keys, keys.traj(MODEL), maxlen=100_000)
     lock, counter, G = anyio.Lock(), iter(range(1 << 62)), p["group_size"]
 
@@ -128,10 +129,9 @@ async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, st
             before, after = durations(seed, group, index, p["median_s"], p["sigma"])
             await anyio.sleep(before)
             prompt = prompt_of(seed, group, backend.vocab_size)
-            async with lock:  # one generation at a time; new weights load between them
-                await follower.apply(backend)
+            async with lock:  # one generation at a time; new weights load between them (the engine's gate)
                 params = SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=seed * 1_000_003 + n)
-                [out] = await anyio.to_thread.run_sync(backend.generate, [prompt], [params])
+                out = await backend.agenerate_one(prompt, params)
             await anyio.sleep(after)
             if out.finish_reason == "error" or not out.token_ids:
                 continue
@@ -139,9 +139,9 @@ async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, st
             produced[0] += 1
 
     try:
-        await follower.catch_up()
+        await follower.catch_up(backend)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(follower.run)
+            tg.start_soon(follower.run, backend)
             for _ in range(p["slots"]):
                 tg.start_soon(slot)
             await stop.wait()
@@ -198,7 +198,8 @@ async def run_mode(name: str, max_staleness: int | None, url: str, tmp: Path, mo
             await anyio.sleep(0.2)
         say(f"{name}: trainer ready, rollouts start")
         async with anyio.create_task_group() as tg:
-            tg.start_soon(rollouts, url, keys, model_dir, p, seed, stop, produced)
+            tg.start_soon(rollouts, url, keys, model_dir, p, seed, stop, produced,
+                          tmp / "runs" / run / "weights" / MODEL)
             while proc.poll() is None:
                 await anyio.sleep(0.2)
             stop.set()

@@ -44,6 +44,8 @@ async def _poison_and_pending(url: str, keys: Keys) -> None:
         gen = Consumer(r, r, url, keys, keys.gen("tiny"), GROUP_INFER, f"{HOST}-infer-tiny-0", Settings(block_ms=100))
         await gen.ensure_group()
         await gen.fetch()
+        # Redis 7.0 creates a consumer only when a read returns entries (Valkey on any read): name it outright.
+        await r.xgroup_createconsumer(keys.gen("tiny"), GROUP_INFER, f"{HOST}-infer-tiny-0")
         await r.xadd(keys.weights("tiny"), WeightVersion("tiny", 3, "/w/v3", "ab" * 32, step=3).to_fields())
         await registry.beat(r, keys, "gpu1-infer-tiny-0", "infer", model="tiny", weight_version=3, code_version="c0de")
     finally:

@@ -153,6 +153,9 @@ async def test_an_episode_without_llm_calls_is_flagged_counted_and_warned_about_
     for other in (talked, failed):  # a failure already says why; only a finished, silent episode is flagged
         assert all("no_llm_calls" not in x.meta for x in trajectories(task, other, episode_id="ep", task_model="m",
                                                                        trained={"m"}, retry=False, meta={}))
+    from jet.workers import episode
+
+    monkeypatch.setattr(episode, "_warned_no_calls", set())  # a fresh worker process: nothing warned yet
     monkeypatch.setenv("OPENAI_BASE_URL", "https://api.example.com/v1")
     with caplog.at_level("WARNING", logger="jet.workers.episode"):
         for worker, tsk in (("w0", "t"), ("w0", "t"), ("w0", "t2"), ("w1", "t")):

@@ -21,7 +21,10 @@ def silent(task, llm):
 
 @pytest.mark.anyio
 async def test_the_env_worker_counts_and_warns_about_episodes_without_llm_calls(redis_url, keys, tiny_model,
-                                                                               tmp_path, caplog):
+                                                                               tmp_path, caplog, monkeypatch):
+    from jet.workers import episode
+
+    monkeypatch.setattr(episode, "_warned_no_calls", set())  # a fresh worker process: nothing warned yet
     cfg = write_config(tmp_path / "c.yaml", keys.run, tiny_model, [
         {"name": "quiet", "workflow": "tests.workers.test_no_llm_calls:silent", "group_size": 2}])
     await enqueue(redis_url, keys, "quiet", [{}, {}, {}], group_size=2)
