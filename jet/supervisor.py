@@ -331,3 +331,16 @@ def run_role(main: Callable[..., Awaitable[None]], name: str = "jet") -> None:
         e = eg.exceptions[0]
         print(f"{name}: error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_FATAL if is_fatal(e) else 1) from None
+    except* Exception as eg:  # a bug: the whole traceback, then what went wrong on the last line
+        import traceback
+
+        traceback.print_exception(eg)
+        print(f"{name}: crashed: {'; '.join(_leaves(eg))}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _leaves(e: BaseException) -> list[str]:
+    """'Type: message' of each exception inside (nested) exception groups."""
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [f"{type(e).__name__}: {e}"]

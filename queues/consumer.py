@@ -35,6 +35,7 @@ from jet.errors import CodecError
 from jet.keys import Keys
 from jet.queues import codec, scripts
 from jet.queues.connect import is_cluster, translated
+from jet.queues.messages import Commit, Dead, Delivery, Drop, Output
 
 log = logging.getLogger(__name__)
 
@@ -46,62 +47,6 @@ DEFAULT_DEAD_CAP = 2_000  # dead letters kept per run unless queues.maxlen.dead 
 def consumer_name(role: str, slot: int | str = 0, host: str | None = None) -> str:
     """Stable name host-role-slot: a restarted process finds its own pending entries."""
     return f"{host or socket.gethostname()}-{role}-{slot}"
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One entry handed to a handler."""
-
-    stream: str
-    entry_id: str
-    fields: dict[bytes, bytes]
-    payload: codec.Payload
-    deliveries: int = 1
-    received: float = field(default_factory=time.monotonic)
-
-    @classmethod
-    def known(cls, stream: str, entry_id: str, msg_id: str) -> "Delivery":
-        """An entry known by its ids alone (a checkpoint's ledger): enough to settle it."""
-        return cls(stream, entry_id, {}, codec.Payload("", msg_id, {}))
-
-
-Output = tuple[str, Mapping[bytes, bytes]]  # (stream key, entry fields)
-
-
-# -- outcomes: what a handler decided for one delivery ---------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    """Ack + idempotency marker + these outputs, atomically (outputs to `dead` count as dead letters);
-    `counter`, when set, is bumped in stats in the same step."""
-
-    outputs: Sequence[Output] = ()
-    counter: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Give the entry back now for another delivery; `error` becomes the reason if it dies later."""
-
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Dead:
-    """Dead-letter the entry now with `reason`, atomically with its ack."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    """Ack without marker or outputs: the work is moot (its client is gone). Bumps stats `counter`."""
-
-    counter: str = ""
-
-
-Outcome = Commit | Release | Dead | Drop
 
 
 def default_marker_ttl(lease_ms: int, max_deliveries: int) -> int:

@@ -148,3 +148,27 @@ def test_roll_starts_the_next_bank_and_drains_the_old_one_once_it_is_ready(tmp_p
     sup.stop()
     sup.wait(10)
     assert sup.exit_code() == 0 and os.path.exists(tmp_path / "bank1.log")
+
+
+def test_a_role_that_crashes_names_every_cause_on_its_last_line():
+    code = """
+import anyio
+from jet.supervisor import run_role
+
+async def main(stop):
+    async def boom(msg):
+        raise ValueError(msg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(boom, "one")
+        async with anyio.create_task_group() as inner:
+            inner.start_soon(boom, "two")
+            await anyio.sleep(5)
+
+run_role(main, "jet worker x")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" in p.stderr  # the whole story is kept above
+    assert lines[-1].startswith("jet worker x: crashed: ") and "ValueError: one" in lines[-1] \
+        and "ValueError: two" in lines[-1], lines[-1]

@@ -4,6 +4,6 @@ Read in this order: `loop` (the main loop and the exactly-once contract), `intak
 group assembly, staleness) + `lineage` (staleness across resumes) + `screen` + `guard` (the poison
 policy), `batch` + `advantages` (advantages and loss weights), `packing` + `losses` + `step`
 (micro-batches and the objective; `jet.sampling` defines the sampled distribution), `backend_torch` /
-`backend_deepspeed` + `dist` (optimisation on one or N processes; `cli` launches N), `feed` (the only door to
+`backend_deepspeed` + `dist` (optimisation on one or N processes; `cli` launches N), `link` (the only door to
 Redis), `weights`, `checkpoint`, `metrics`, `cli`.
 """

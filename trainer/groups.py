@@ -29,7 +29,7 @@ Every entry gets exactly one outcome (`OUTCOMES`) and is handed back exactly
 once, either in a taken group (`Group.entries`) or by `pop_decided`; the
 trainer acks it once that decision is checkpointed.
 
-What it is not: I/O. No Redis, no torch; the trainer's feed (`jet.trainer.feed`)
+What it is not: I/O. No Redis, no torch; the trainer's link (`jet.trainer.link`)
 reads the stream, the loop (`jet.trainer.loop`) decides what a step trains.
 """
 

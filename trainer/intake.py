@@ -1,6 +1,6 @@
-"""Rank 0's intake: trajectories from the feed, assembled into groups, and the consumed list.
+"""Rank 0's intake: trajectories from the link, assembled into groups, and the consumed list.
 
-What it is: `Intake.gather(n, version, step, stop)` polls the feed and files
+What it is: `Intake.gather(n, version, step, stop)` polls the link and files
 each trajectory with the `Assembler` until `n` trainable groups are ready
 (or `stop()` says to stop: None). With several tasks the step's groups follow
 the tasks' mixing weights (`jet.trainer.mix.allocate`, on the cumulative
@@ -11,7 +11,7 @@ tasks join when their first trajectory comes).
 
 Each trajectory is screened first (`jet.trainer.screen`, when `limits` is
 given): one the trainer can never train is dead-lettered alone at once with
-its real reason (`Feed.dead`: the dead letter and the ack are one atomic
+its real reason (`Link.dead`: the dead letter and the ack are one atomic
 step) and its group's slot is closed without it, so its group and every
 other one train on; an overlong one is truncated (counted in
 `truncated_tokens`). `poison(group, {index: reason}, step)` does the same
@@ -35,17 +35,17 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from jet.wire import Trajectory
 
-from jet.trainer.feed import Feed
+from jet.trainer.link import Link
 from jet.trainer.groups import Assembler, Entry, Group, staleness
 from jet.trainer.mix import allocate
 from jet.trainer.screen import Limits, Poison, screen
 
 
 class Intake:
-    def __init__(self, feed: Feed, assembler: Assembler, clock: Callable[[], float] = time.monotonic, *,
+    def __init__(self, link: Link, assembler: Assembler, clock: Callable[[], float] = time.monotonic, *,
                  weights: Mapping[str, float] | None = None, expected: Iterable[str] = (), mix_wait_s: float = 0.0,
                  limits: Limits | None = None):
-        self.feed, self.asm, self.clock, self.limits = feed, assembler, clock, limits
+        self.link, self.asm, self.clock, self.limits = link, assembler, clock, limits
         self.consumed: list[dict] = []  # decided since the last checkpoint
         self.weights = dict(weights or {})  # task -> mixing weight (jet.trainer.mix); a missing task weighs 1
         self.mix_wait_s = mix_wait_s
@@ -58,7 +58,7 @@ class Intake:
         while len(groups) < n:
             if stop():
                 return None
-            for entry_id, traj in self.feed.poll():
+            for entry_id, traj in self.link.poll():
                 self.last_seen[traj.task] = self.clock()
                 self.take(entry_id, traj, version)
             now = self.clock()
@@ -70,12 +70,12 @@ class Intake:
         return groups
 
     def take(self, entry_id: str, traj: Trajectory, version: int) -> None:
-        """Screen one trajectory read from the feed and file it with the assembler (or dead-letter it)."""
+        """Screen one trajectory read from the link and file it with the assembler (or dead-letter it)."""
         if self.limits is not None:
             try:
                 traj, dropped = screen(traj, self.limits)
             except Poison as e:
-                self.feed.dead(entry_id, f"trainer: {e}")
+                self.link.dead(entry_id, f"trainer: {e}")
                 self.asm.reject(traj, self.clock())
                 return
             if dropped:
@@ -87,7 +87,7 @@ class Intake:
         """Dead-letter members `bad` ({index: reason}) of a taken group; False when that leaves the
         group untrainable (its other entries are then decided as `small_group`)."""
         for index, reason in bad.items():
-            self.feed.dead(group.members[index].entry_id, f"trainer: {reason}")
+            self.link.dead(group.members[index].entry_id, f"trainer: {reason}")
         dropped = self.asm.evict(group, list(bad))
         self._record(dropped, step)
         return not dropped

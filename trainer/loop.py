@@ -13,11 +13,11 @@ rank 0 alone talks to Redis and broadcasts each step (`jet.trainer.dist`).
 
 Exactly once, with acks. A trajectory's entry is acked only after the
 checkpoint holding its effect is on disk:
-- the trainer holds every entry it reads (pending, under a long lease the feed
+- the trainer holds every entry it reads (pending, under a long lease the link
   renews) until a checkpoint records its fate in `consumed` (trained at step
   k, or dropped and why); the checkpoint folder is written, fsynced and
   renamed, and only THEN are those entries acked with their idempotency
-  markers (`jet.trainer.feed.Feed.ack`);
+  markers (`jet.trainer.link.Link.ack`);
 - a restarted trainer (same consumer name) loads the newest checkpoint and
   first acks its `consumed` entries (a crash may fall between the rename and
   the acks): they are never trained again. Entries read after it are still
@@ -65,7 +65,7 @@ from jet.config import JetConfig, TrainerConfig, write_resolved
 from jet.trainer.batch import mean_reward
 from jet.trainer.checkpoint import Checkpoints, die_at
 from jet.trainer.dist import Comm, Plan
-from jet.trainer.feed import Feed
+from jet.trainer.link import Link
 from jet.trainer.groups import Assembler
 from jet.trainer.guard import guarded, guarded_step, prepare
 from jet.trainer.intake import Intake
@@ -122,16 +122,16 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
         intake = metrics = None
         if comm.leader:
             write_resolved(cfg, cfg.run_dir)
-            feed = stack.enter_context(Feed.for_trainer(cfg, model, url, stop))
+            link = stack.enter_context(Link.for_trainer(cfg, model, url, stop))
             asm = Assembler(min_size=tc.min_group_size, timeout_s=tc.group_timeout_s, max_staleness=tc.max_staleness,
                             position=state.lineage.ordinal)
             asm.counts.update(state.counts)
-            intake = Intake(feed, asm, weights={t.name: t.weight for t in cfg.tasks}, mix_wait_s=tc.mix_wait_s,
+            intake = Intake(link, asm, weights={t.name: t.weight for t in cfg.tasks}, mix_wait_s=tc.mix_wait_s,
                             expected=[t.name for t in cfg.tasks if t.model == model and t.weight > 0],
                             limits=limits_of(engine.model, tc))
             metrics = stack.enter_context(contextlib.closing(Metrics.for_trainer(cfg, model, resume_step=state.step)))
             if resumed:  # a crash may have come between the checkpoint and its acks
-                feed.ack([(c["entry"], c["msg"]) for c in resumed[1]["consumed"]])
+                link.ack([(c["entry"], c["msg"]) for c in resumed[1]["consumed"]])
 
         # -- versions stay monotonic: republish restored weights past any lost lineage's announcements
         plan = comm.share_plan(first_plan(intake, state) if comm.leader else None)
@@ -189,7 +189,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                 staleness = intake.trained(groups, state.step, state.lineage.ordinal(trained_at))
                 metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
-                intake.feed.status.update(step=state.step, weight_version=state.version)  # its heartbeat
+                intake.link.status.update(step=state.step, weight_version=state.version)  # its heartbeat
 
             # 5. checkpoint, then ack what it made durable
             if plan.checkpoint:
@@ -223,7 +223,7 @@ def limits_of(model, tc: TrainerConfig) -> Limits:
 
 
 def first_plan(intake: Intake, state: TrainState) -> Plan:
-    announced = intake.feed.latest_weights()
+    announced = intake.link.latest_weights()
     newer = announced is not None and announced.version > state.version
     version = announced.version + 1 if newer else state.version
     if newer:
@@ -255,7 +255,7 @@ def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str
     with engine.full_module() as module:
         sha = write_weights(module, folder) if comm.leader else ""
     if comm.leader:
-        intake.feed.publish(WeightVersion(model=model, version=state.version, path=str(folder.resolve()),
+        intake.link.publish(WeightVersion(model=model, version=state.version, path=str(folder.resolve()),
                                           sha256=sha, step=state.step))
         prune_weights(Path(run_dir), model, state.version, KEEP_WEIGHTS)
     comm.barrier()
@@ -269,7 +269,7 @@ def checkpoint(ckpts: Checkpoints, engine, comm: Comm, intake: Intake | None, st
                              "lineage": state.lineage.to_json(), "time": time.time()}, engine.save)
     if comm.leader:
         die_at("checkpoint:written")
-        intake.feed.ack([(c["entry"], c["msg"]) for c in consumed])
+        intake.link.ack([(c["entry"], c["msg"]) for c in consumed])
         die_at("checkpoint:acked")
         log.info("checkpoint at step %d; acked %d trajectories", state.step, len(consumed))
 
@@ -278,7 +278,7 @@ def step_metrics(stats, inputs, staleness: list[int], groups, lr: float, state: 
                  clock: Clock, intake: Intake) -> dict[str, float]:
     elapsed = max(1e-9, time.monotonic() - clock.start)
     rewards = torch.tensor(inputs.rewards or [0.0], dtype=torch.float64)
-    lag = intake.feed.lag()
+    lag = intake.link.lag()
     out = {
         "train/loss": stats.loss, "train/pg_loss": stats.pg, "train/kl": stats.kl,
         "train/clip_frac": stats.clipped / max(1.0, stats.tokens), "train/grad_norm": stats.grad_norm,

@@ -17,7 +17,7 @@ What it is:
   the rest. None failing alone means the failure is not the data's: the
   caller re-raises it.
 
-What it is not: a decoder (malformed entries never get here: the feed
+What it is not: a decoder (malformed entries never get here: the link
 dead-letters them) or a judge of content. No torch, no I/O.
 
 Invariants: a screened trajectory has every token id in [0, vocab) and every

@@ -6,7 +6,7 @@ accepts; DeepSpeed's parameters are views into flat buffers, which
 `safetensors.torch.save_model` refuses) to a temporary file, fsyncs
 it, renames it to `model.safetensors`, fsyncs the folder, writes
 `config.json` and returns the file's sha256. Only then does the trainer
-announce a `WeightVersion` (`jet.trainer.feed.Feed.publish`), so an
+announce a `WeightVersion` (`jet.trainer.link.Link.publish`), so an
 inference worker never sees an announcement of a file that is not all there.
 `prune_weights` deletes old versions, keeping the newest `keep`.
 

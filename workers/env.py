@@ -75,8 +75,9 @@ from jet.config import JetConfig, TaskConfig
 from jet.errors import CodecError, ConfigError
 from jet.keys import Keys
 from jet.llm import LLMClient, Tokenizers, open_client
-from jet.queues.consumer import Delivery, Settings, consumer_name, dead_entry
-from jet.queues.runtime import Commit, Dead, Drop, Outcome, Runtime
+from jet.queues.consumer import Settings, consumer_name, dead_entry
+from jet.queues.messages import Commit, Dead, Delivery, Drop, Outcome
+from jet.queues.runtime import Runtime
 from jet.supervisor import mark_ready
 from jet.wire import Task
 from jet.workers.episode import Outcome as Episode

@@ -44,8 +44,9 @@ from jet.config import JetConfig
 from jet.errors import CodecError
 from jet.keys import GROUP_INFER, Keys
 from jet.queues.connect import connect, retry_forever, translated
-from jet.queues.consumer import Delivery, Settings, consumer_name
-from jet.queues.runtime import Commit, Dead, Drop, Outcome, Runtime
+from jet.queues.consumer import Settings, consumer_name
+from jet.queues.messages import Commit, Dead, Delivery, Drop, Outcome
+from jet.queues.runtime import Runtime
 from jet.wire import GenRequest, GenResult
 from jet.workers.hf_backend import SamplingParams
 from jet.workers.weights import WeightFollower

@@ -55,7 +55,7 @@ async def settings_of(r, url: str, keys: Keys, stop: anyio.Event) -> dict | None
 
 async def handle_one(r, url: str, keys: Keys, delivery, study_dir: Path, name: str, stop: anyio.Event):
     """One request -> Commit (its result, atomically with the ack) or Release (another attempt)."""
-    from jet.queues.runtime import Commit, Release
+    from jet.queues.messages import Commit, Release
 
     req = RunRequest.from_payload(delivery.payload)
     while await ledger.get_field(r, url, keys, "paused") and not stop.is_set():

@@ -19,7 +19,8 @@ import anyio
 from jet.keys import Keys
 from jet.queues import codec
 from jet.queues.consumer import Settings, consumer_name
-from jet.queues.runtime import Commit, Runtime
+from jet.queues.messages import Commit
+from jet.queues.runtime import Runtime
 from jet.supervisor import mark_ready, run_role
 
 

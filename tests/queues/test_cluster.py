@@ -18,7 +18,8 @@ from jet.errors import ClusterError, ServerError, is_fatal
 from jet.keys import Keys
 from jet.queues.cluster import EmbeddedCluster
 from jet.queues.connect import connect, is_cluster
-from jet.queues.consumer import Commit, Consumer
+from jet.queues.consumer import Consumer
+from jet.queues.messages import Commit
 from jet.queues.producer import Producer, safe_trim
 from jet.queues.server import EmbeddedServer
 

@@ -14,7 +14,8 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.consumer import Settings
 from jet.queues.producer import Producer
-from jet.queues.runtime import Commit, Dead, Drop, Runtime
+from jet.queues.messages import Commit, Dead, Drop
+from jet.queues.runtime import Runtime
 
 from .helpers import entry, eventually, read_all
 

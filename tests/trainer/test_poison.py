@@ -28,7 +28,7 @@ from jet.queues.connect import connect
 from jet.timeline import Call
 from jet.trainer.backend_torch import TorchBackend
 from jet.trainer.checkpoint import Checkpoints
-from jet.trainer.feed import Feed
+from jet.trainer.link import Link
 from jet.trainer.groups import Assembler
 from jet.trainer.guard import guarded, guarded_step, prepare
 from jet.trainer.intake import Intake
@@ -156,9 +156,9 @@ def test_a_step_that_fails_on_one_trajectory_trains_the_rest(tiny_model, redis_u
     produce_sync(redis_url, keys, good + members)
     engine = TorchBackend(str(tiny_model), tc)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    with Feed.for_trainer(cfg, MODEL, redis_url) as feed:
+    with Link.for_trainer(cfg, MODEL, redis_url) as link:
         asm = Assembler(min_size=2, timeout_s=60, max_staleness=100)
-        intake = Intake(feed, asm)  # no screen: the model itself meets the bad id, inside the step
+        intake = Intake(link, asm)  # no screen: the model itself meets the bad id, inside the step
         groups = intake.gather(2, 0, 0, lambda: False)
         inputs, rows = prepare([g.trajectories() for g in groups], tc)
         groups, inputs, rows, stats = guarded_step(engine, intake, tc, groups, inputs, rows, 1e-3, 0)
@@ -167,7 +167,7 @@ def test_a_step_that_fails_on_one_trajectory_trains_the_rest(tiny_model, redis_u
         intake.trained(groups, 1, 0)
         consumed = intake.take_consumed()
         assert sorted(c["msg"] for c in consumed) == sorted(t.msg_id for t in good + members[:2])
-        feed.ack([(c["entry"], c["msg"]) for c in consumed])
+        link.ack([(c["entry"], c["msg"]) for c in consumed])
     [reason] = dead_letters(redis_url, keys).values()
     assert reason.startswith("trainer: IndexError") and "index out of range" in reason
     assert anyio.run(stream_state, redis_url, keys)["pending"] == 0

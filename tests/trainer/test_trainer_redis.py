@@ -25,7 +25,7 @@ from jet.config import load_file
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.trainer.checkpoint import Checkpoints
-from jet.trainer.feed import Feed
+from jet.trainer.link import Link
 from jet.trainer.metrics import read
 from jet.wire import WeightVersion
 
@@ -139,19 +139,19 @@ def test_a_crash_between_checkpoint_and_ack_does_not_retrain(tiny_model, redis_u
     class Crash(Exception):
         pass
 
-    real_ack = Feed.ack
+    real_ack = Link.ack
 
     def crashing_ack(self, entries):
         if entries:
             raise Crash()
         real_ack(self, entries)
 
-    monkeypatch.setattr(Feed, "ack", crashing_ack)
+    monkeypatch.setattr(Link, "ack", crashing_ack)
     with pytest.raises(Crash):
         loop.run(cfg, MODEL, redis_url, lambda: False)
     assert Checkpoints(trainer_dir(cfg)).steps() == [2]
     assert anyio.run(stream_state, redis_url, keys)["pending"] == 16  # checkpointed, never acked
-    monkeypatch.setattr(Feed, "ack", real_ack)
+    monkeypatch.setattr(Link, "ack", real_ack)
     state = loop.run(cfg, MODEL, redis_url, lambda: False)
     assert state.step == 4
     check_exactly_once(cfg, redis_url, keys, trajs, {t.msg_id for t in trajs})

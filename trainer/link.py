@@ -1,6 +1,6 @@
 """The trainer's one adapter to the queues: a sync facade over the consumer runtime's pull mode.
 
-What it is: `Feed` runs a `jet.queues.runtime.Runtime` on `traj:<model>`
+What it is: `Link` runs a `jet.queues.runtime.Runtime` on `traj:<model>`
 (group `trainer`, a stable consumer name) in an event loop on a background
 thread (an anyio blocking portal); the runtime's lease keeper, reaper and
 reconnects run there. The synchronous training loop gets plain methods:
@@ -45,9 +45,10 @@ from jet.errors import CodecError, ConnectError
 from jet.keys import GROUP_TRAINER, Keys
 from jet.queues import codec
 from jet.queues.connect import retry_forever, translated
-from jet.queues.consumer import Delivery, Settings, consumer_name
+from jet.queues.consumer import Settings, consumer_name
 from jet.queues.producer import Producer
-from jet.queues.runtime import Commit, Dead, Runtime
+from jet.queues.messages import Commit, Dead, Delivery
+from jet.queues.runtime import Runtime
 from jet.wire import Trajectory, WeightVersion
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 ACK_CHUNK = 500
 
 
-class Feed:
+class Link:
     def __init__(self, url: str, keys: Keys, model: str, name: str, settings: Settings,
                  weights_maxlen: int = 10_000, stop: Callable[[], bool] | None = None):
         self.url, self.keys, self.model, self.name, self.settings = url, keys, model, name, settings
@@ -66,8 +67,8 @@ class Feed:
         self._portal_cm = None
 
     @classmethod
-    def for_trainer(cls, cfg: JetConfig, model: str, url: str, stop: Callable[[], bool] | None = None) -> "Feed":
-        """The feed of `model`'s trainer: consumer `<host>-trainer-<model>-0`, the trainer's long lease."""
+    def for_trainer(cls, cfg: JetConfig, model: str, url: str, stop: Callable[[], bool] | None = None) -> "Link":
+        """The link of `model`'s trainer: consumer `<host>-trainer-<model>-0`, the trainer's long lease."""
         q, lease_ms = cfg.queues, int(cfg.trainer_of(model).lease_s * 1000)
         settings = Settings.of(q, lease_ms=lease_ms, block_ms=min(q.block_ms, lease_ms // 4), count_rereads=False)
         return cls(url, Keys(cfg.run), model, consumer_name(f"trainer-{model}"), settings,
@@ -75,7 +76,7 @@ class Feed:
 
     # -- lifecycle (sync) ----------------------------------------------------
 
-    def __enter__(self) -> "Feed":
+    def __enter__(self) -> "Link":
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         try:
