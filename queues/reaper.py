@@ -3,8 +3,9 @@
 It runs inside every consumer process (the consumer runtime,
 jet.queues.runtime, runs a pass every lease/2, at most every 5 s, and trims the
 stream after it), so reclaiming scales with consumers and needs no extra role.
-Each pass follows XAUTOCLAIM's cursor until 0-0 (or until the consumer has a
-batch's worth queued, resuming from the cursor next pass), counts the deleted
+Each pass follows XAUTOCLAIM's cursor until 0-0 (or until it has claimed what
+the consumer has room for, `room()`: a busy consumer claims nothing, so an idle
+one takes a dead consumer's work; the next pass resumes from the cursor), counts the deleted
 ids XAUTOCLAIM reports as lost work, and queues claimed entries for its
 Consumer's `fetch`, which dead-letters those past `max_deliveries`. An entry
 already queued or in flight here is never queued twice (its delivery count is

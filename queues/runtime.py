@@ -246,7 +246,7 @@ class Runtime:
         async with recv:
             async for first in recv:
                 batch = [first]
-                with contextlib.suppress(anyio.WouldBlock):
+                with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):  # nothing more now / ever
                     while len(batch) < 500:
                         batch.append(recv.receive_nowait())
                 await self.settle(batch)

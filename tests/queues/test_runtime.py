@@ -165,3 +165,39 @@ async def test_a_busy_consumer_leaves_a_dead_ones_work_to_an_idle_one(redis_url,
         stop.set()
     assert by == {0: "idle", 1: "busy"}
     await r.aclose()
+
+
+async def test_messages_finishing_together_as_the_drain_ends_are_all_committed(redis_url, keys):
+    """The committer is settling one message while all the others finish and the drain closes the result
+    stream: it takes the rest in its next settle and ends cleanly (it once raised EndOfStream there, which
+    crashed the worker). Each round lets the loop turn a different number of times before the others finish."""
+    src, dst = keys.tasks("src"), keys.traj("dst")
+    r = await connect(redis_url)
+    n, sent = 8, 0
+    for turns in range(1, 13):
+        first = sent
+        await Producer(r, redis_url, keys, src).send([entry(first + i) for i in range(n)])
+        go_first, go, stop, started = anyio.Event(), anyio.Event(), anyio.Event(), set()
+
+        async def handle(d, first=first, go_first=go_first, go=go, started=started):
+            started.add(d.payload.meta["n"])
+            await (go_first if d.payload.meta["n"] == first else go).wait()
+            return Commit([(dst, entry(d.payload.meta["n"]))])
+
+        async with Runtime(redis_url, keys, src, "g", "together", Settings(block_ms=100)) as rt:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(rt.serve_each, handle, stop, concurrency=n, drain_timeout_s=10))
+                await eventually(lambda: _true(len(started) == n))
+                stop.set()  # the drain: every message is running
+                go_first.set()  # the first finishes; its commit goes to the server ...
+                for _ in range(turns):
+                    await anyio.sleep(0)
+                go.set()  # ... while the rest finish and the drain closes the stream
+        sent += n
+    assert sorted(p.meta["n"] for p in await read_all(r, dst)) == list(range(sent))
+    assert (await r.xpending(src, "g"))["pending"] == 0
+    await r.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
