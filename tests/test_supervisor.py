@@ -95,8 +95,15 @@ def test_a_fatal_exit_is_not_restarted(tmp_path):
 
 
 def test_required_children_done_stop_the_others(tmp_path):
-    done = Child("trainer", script(tmp_path, "quick", "print('trained')\n"), required=True)
-    worker = Child("worker", script(tmp_path, "sleeper", SLEEPER))
+    ready = tmp_path / "ready"  # the worker's SIGTERM handler is installed (a loaded machine starts it late)
+    done = Child("trainer", script(tmp_path, "quick", f"""
+        import pathlib, time
+        while not pathlib.Path({str(ready)!r}).exists():
+            time.sleep(0.02)
+        print('trained')
+    """), required=True)
+    worker = Child("worker", script(tmp_path, "sleeper", SLEEPER.replace(
+        "while True:", f"open({str(ready)!r}, 'w').close()\n    while True:")))
     sup = Supervisor(lambda bank: [done, worker], restart_delay_s=FAST).start()
     drive(sup, lambda: not sup.poll())
     assert sup.stops == 1 and sup.failure is None and sup.exit_code() == 0

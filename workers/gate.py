@@ -25,6 +25,7 @@ import anyio
 class WeightGate:
     def __init__(self) -> None:
         self.inside = 0  # requests holding the gate
+        self.waiting = 0  # requests held back by a load
         self.loading = False
         self._opened = anyio.Event()
         self._opened.set()
@@ -33,8 +34,12 @@ class WeightGate:
 
     @contextlib.asynccontextmanager
     async def request(self) -> AsyncIterator[None]:
-        while self.loading:
-            await self._opened.wait()
+        self.waiting += 1
+        try:
+            while self.loading:
+                await self._opened.wait()
+        finally:
+            self.waiting -= 1
         self.inside += 1
         if self.inside == 1:
             self._empty = anyio.Event()
