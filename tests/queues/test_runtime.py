@@ -136,8 +136,6 @@ async def test_a_busy_consumer_leaves_a_dead_ones_work_to_an_idle_one(redis_url,
     src, dst = keys.tasks("src"), keys.traj("dst")
     r = await connect(redis_url)
     await r.xgroup_create(src, "g", id="0", mkstream=True)
-    await r.xadd(src, entry(0))
-    await r.xreadgroup("g", "died", {src: ">"}, count=1)  # 0 is pending to a consumer that is gone
     await r.xadd(src, entry(1))
     settings, stop, release, by = Settings(block_ms=100, lease_ms=300), anyio.Event(), anyio.Event(), {}
 
@@ -156,6 +154,9 @@ async def test_a_busy_consumer_leaves_a_dead_ones_work_to_an_idle_one(redis_url,
     async with anyio.create_task_group() as tg:
         tg.start_soon(serve, "busy")
         await eventually(lambda: _equals(anyio.to_thread.run_sync(lambda: by.get(1)), "busy"))
+        await r.xadd(src, entry(0))  # the busy one is full, so it reads nothing new: a consumer that
+        [[_, [(_, fields)]]] = await r.xreadgroup("g", "died", {src: ">"}, count=1)  # then dies takes 0
+        assert codec.decode(fields).meta["n"] == 0
         await anyio.sleep(1.0)  # several reaper passes of the busy one, the dead one's entry long idle
         assert 0 not in by
         tg.start_soon(serve, "idle")
