@@ -99,7 +99,10 @@ def resp(args: Sequence, encode) -> list[bytes]:
     anything that is not bytes into bytes, exactly as redis-py would."""
     out, small = [b"*%d\r\n" % len(args)], []
     for a in args:
-        if a.__class__ is not bytes:
+        cls = a.__class__
+        if cls is str:
+            a = a.encode()  # what redis-py's encoder does with a str (utf-8, strict), without its checks
+        elif cls is not bytes:
             a = encode(a)
         if len(a) > 8192:
             small.append(b"$%d\r\n" % len(a))
@@ -137,6 +140,7 @@ class Consumer:
         self._own_from = "-"  # where the next page of that re-read starts (exclusive after the first)
         self._cluster = is_cluster(self.r)  # no raw connections there: the settle goes the normal way
         self._settle = self.r.register_script(scripts.SETTLE)
+        self._modes: dict[str, tuple[bytes, bytes]] = {}  # output key -> (maxlen, mode) SETTLE arguments
         self._lease = self.r.register_script(scripts.LEASE)
 
     # -- setup ---------------------------------------------------------------
@@ -252,7 +256,8 @@ class Consumer:
         dead_ids = [d.entry_id for d, o in items if isinstance(o, Dead)]
         last_errors = await self._last_errors(dead_ids) if dead_ids else {}
         out_keys: dict[str, bytes] = {}
-        argv: list = [self.group, b"%d" % self.cfg.marker_ttl, b"%d" % len(items), b"%d" % self.cfg.dead_cap]
+        argv: list = [self.group, b"%d" % self.cfg.marker_ttl, b"%d" % len(items), b"%d" % self.cfg.dead_cap, b"0"]
+        bounded = False  # any output with a room check: the script skips the check pass when none has
         base = 4 + len(markers)  # KEYS is 1-based: input, stats, dead, markers..., then outputs
         for d, outcome in items:
             if isinstance(outcome, Commit):
@@ -267,9 +272,12 @@ class Consumer:
                 if key not in out_keys:
                     out_keys[key] = b"%d" % (base + len(out_keys))
                 maxlen, mode = self._output_mode(key)
-                argv += (out_keys[key], b"%d" % maxlen, mode, b"%d" % len(fields))
+                bounded = bounded or (mode == b"b" and maxlen != b"0")
+                argv += (out_keys[key], maxlen, mode, b"%d" % len(fields))
                 for kv in fields.items():
                     argv += kv
+        if bounded:
+            argv[4] = b"1"
         with translated(self.url):
             res = await self._evalsha(self._settle, [self.stream, self.keys.stats, self.keys.dead, *markers,
                                                       *out_keys], argv)
@@ -282,9 +290,17 @@ class Consumer:
                 await self.r.hdel(self.keys.last_error(), *[f"{self.stream}/{i}" for i in dead])
         return [int(r) for r in res]
 
-    def _output_mode(self, key: str) -> tuple[int, bytes]:
-        """(maxlen, mode) of an output stream: see `scripts.SETTLE`. Outputs to the input stream
-        itself (a retry copy of the task) never wait: acking the input makes up for them."""
+    def _output_mode(self, key: str) -> tuple[bytes, bytes]:
+        """(maxlen, mode) of an output stream, as SETTLE arguments (remembered per key)."""
+        got = self._modes.get(key)
+        if got is None:
+            maxlen, mode = self._mode_of(key)
+            got = self._modes[key] = (b"%d" % maxlen, mode)
+        return got
+
+    def _mode_of(self, key: str) -> tuple[int, bytes]:
+        """See `scripts.SETTLE`. Outputs to the input stream itself (a retry copy of the task)
+        never wait: acking the input makes up for them."""
         kind = self.keys.kind(key)
         if kind == "dead":
             return 0, b"d"

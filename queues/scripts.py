@@ -12,7 +12,8 @@ from __future__ import annotations
 # SETTLE: finish a batch of inputs, each by its outcome (commit, dead letter or drop), effectively once.
 # KEYS[1] input stream, KEYS[2] stats hash, KEYS[3] dead stream, KEYS[4..3+n] markers (one per input),
 # then the output streams.
-# ARGV: group, marker_ttl_s, n_inputs, dead_cap (0 = uncapped), then per input:
+# ARGV: group, marker_ttl_s, n_inputs, dead_cap (0 = uncapped), checks ('1': some output is bounded,
+# so the room-check pass runs; '0' skips it), then per input:
 #   entry_id, action, counter, n_outputs, then per output:
 #     key_index, maxlen, mode, n_fields, field, value, ...
 #   action: 'c' commit (marker + outputs), 'd' dead-lettered (its one output is the dead letter),
@@ -28,8 +29,8 @@ from __future__ import annotations
 # Else XACK; only if the entry was still pending do its effects happen, and for 'c' only if its marker
 # was absent too. Returns per input 1 (done), 0 (a duplicate: nothing written) or -1 (not processed).
 SETTLE = """
-local group, ttl, n, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local a, out, added = 5, {}, {}
+local group, ttl, n, cap, checks = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5] == '1'
+local a, out, added = 6, {}, {}
 local function dead_letter(fields_from, fields_to)
   redis.call('XADD', KEYS[3], '*', unpack(ARGV, fields_from, fields_to))
   redis.call('HINCRBY', KEYS[2], 'dead', 1)
@@ -43,13 +44,15 @@ for i = 1, n do
   local first = a + 4
   -- room check first: a full bounded stream leaves this input (and the rest) untouched
   local o = first
-  for _ = 1, nout do
-    local key, maxlen, mode, nf = KEYS[tonumber(ARGV[o])], tonumber(ARGV[o + 1]), ARGV[o + 2], tonumber(ARGV[o + 3])
-    if mode == 'b' and maxlen > 0 and redis.call('XLEN', key) + (added[key] or 0) >= maxlen then
-      for j = i, n do out[j] = -1 end
-      return out
+  if checks then
+    for _ = 1, nout do
+      local key, maxlen, mode, nf = KEYS[tonumber(ARGV[o])], tonumber(ARGV[o + 1]), ARGV[o + 2], tonumber(ARGV[o + 3])
+      if mode == 'b' and maxlen > 0 and redis.call('XLEN', key) + (added[key] or 0) >= maxlen then
+        for j = i, n do out[j] = -1 end
+        return out
+      end
+      o = o + 4 + 2 * nf
     end
-    o = o + 4 + 2 * nf
   end
   local fresh = redis.call('XACK', KEYS[1], group, id) == 1
   if fresh and action == 'c' then
