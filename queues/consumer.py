@@ -255,29 +255,31 @@ class Consumer:
                    for d, _ in items]
         dead_ids = [d.entry_id for d, o in items if isinstance(o, Dead)]
         last_errors = await self._last_errors(dead_ids) if dead_ids else {}
-        out_keys: dict[str, bytes] = {}
-        argv: list = [self.group, b"%d" % self.cfg.marker_ttl, b"%d" % len(items), b"%d" % self.cfg.dead_cap, b"0"]
-        bounded = False  # any output with a room check: the script skips the check pass when none has
+        out_keys: dict[str, bytes] = {}  # output key -> its KEYS index
+        modes: list = []  # per output key, in KEYS order: maxlen, mode
+        body: list = []
         base = 4 + len(markers)  # KEYS is 1-based: input, stats, dead, markers..., then outputs
         for d, outcome in items:
-            if isinstance(outcome, Commit):
-                action, counter, outputs = b"c", outcome.counter.encode(), outcome.outputs
-            elif isinstance(outcome, Dead):
-                action, counter = b"d", b""
+            kind = outcome.__class__
+            if kind is Commit:
+                action, outputs = b"c" + outcome.counter.encode(), outcome.outputs
+            elif kind is Dead:
+                action = b"d"
                 outputs = [(self.keys.dead, self._dead_fields(d, outcome.reason, last_errors.get(d.entry_id)))]
             else:
-                action, counter, outputs = b"x", outcome.counter.encode(), ()
-            argv += (d.entry_id, action, counter, b"%d" % len(outputs))
+                action, outputs = b"x" + outcome.counter.encode(), ()
+            body += (d.entry_id, action, b"%d" % len(outputs))
             for key, fields in outputs:
-                if key not in out_keys:
-                    out_keys[key] = b"%d" % (base + len(out_keys))
-                maxlen, mode = self._output_mode(key)
-                bounded = bounded or (mode == b"b" and maxlen != b"0")
-                argv += (out_keys[key], maxlen, mode, b"%d" % len(fields))
+                index = out_keys.get(key)
+                if index is None:
+                    index = out_keys[key] = b"%d" % (base + len(out_keys))
+                    modes += self._output_mode(key)
+                body += (index, b"%d" % len(fields))
                 for kv in fields.items():
-                    argv += kv
-        if bounded:
-            argv[4] = b"1"
+                    body += kv
+        bounded = any(mode == b"b" and maxlen != b"0" for maxlen, mode in zip(modes[::2], modes[1::2]))
+        argv = [self.group, b"%d" % self.cfg.marker_ttl, b"%d" % len(items), b"%d" % self.cfg.dead_cap,
+                b"1" if bounded else b"0", b"%d" % len(out_keys), *modes, *body]
         with translated(self.url):
             res = await self._evalsha(self._settle, [self.stream, self.keys.stats, self.keys.dead, *markers,
                                                       *out_keys], argv)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 # SETTLE: finish a batch of inputs, each by its outcome (commit, dead letter or drop), effectively once.
 # KEYS[1] input stream, KEYS[2] stats hash, KEYS[3] dead stream, KEYS[4..3+n] markers (one per input),
-# then the output streams.
+# then the m output streams.
 # ARGV: group, marker_ttl_s, n_inputs, dead_cap (0 = uncapped), checks ('1': some output is bounded,
-# so the room-check pass runs; '0' skips it), then per input:
-#   entry_id, action, counter, n_outputs, then per output:
-#     key_index, maxlen, mode, n_fields, field, value, ...
-#   action: 'c' commit (marker + outputs), 'd' dead-lettered (its one output is the dead letter),
-#           'x' dropped (acked without marker or outputs)
-#   counter: a stats field bumped when the input's effects happen ('' = none)
+# so the room-check pass runs; '0' skips it), m, then per output stream (in KEYS order): maxlen, mode;
+# then per input:
+#   entry_id, action, n_outputs, then per output: key_index (into KEYS), n_fields, field, value, ...
+#   action: its first letter 'c' commit (marker + outputs), 'd' dead-lettered (its one output is the
+#           dead letter), 'x' dropped (acked without marker or outputs); the rest, when any, is a stats
+#           field bumped when the input's effects happen (e.g. 'cno_llm_calls')
 #   mode:   'b' bounded: written only while the stream is below maxlen (else the call stops: backpressure)
 #           'c' capped: XADD MAXLEN ~ maxlen (streams no group reads: older entries give way)
 #           'e' must exist: XADD NOMKSTREAM (a reply to a client that is gone is dropped and counted)
@@ -30,7 +30,12 @@ from __future__ import annotations
 # was absent too. Returns per input 1 (done), 0 (a duplicate: nothing written) or -1 (not processed).
 SETTLE = """
 local group, ttl, n, cap, checks = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5] == '1'
-local a, out, added = 6, {}, {}
+local m = tonumber(ARGV[6])
+local maxlens, modes = {}, {}
+for j = 1, m do
+  maxlens[3 + n + j], modes[3 + n + j] = tonumber(ARGV[5 + 2 * j]), ARGV[6 + 2 * j]
+end
+local a, out, added = 7 + 2 * m, {}, {}
 local function dead_letter(fields_from, fields_to)
   redis.call('XADD', KEYS[3], '*', unpack(ARGV, fields_from, fields_to))
   redis.call('HINCRBY', KEYS[2], 'dead', 1)
@@ -40,18 +45,20 @@ local function dead_letter(fields_from, fields_to)
   end
 end
 for i = 1, n do
-  local id, action, counter, nout = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
-  local first = a + 4
+  local id, act, nout = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
+  local action, counter = string.sub(act, 1, 1), string.sub(act, 2)
+  local first = a + 3
   -- room check first: a full bounded stream leaves this input (and the rest) untouched
   local o = first
   if checks then
     for _ = 1, nout do
-      local key, maxlen, mode, nf = KEYS[tonumber(ARGV[o])], tonumber(ARGV[o + 1]), ARGV[o + 2], tonumber(ARGV[o + 3])
-      if mode == 'b' and maxlen > 0 and redis.call('XLEN', key) + (added[key] or 0) >= maxlen then
+      local k, nf = tonumber(ARGV[o]), tonumber(ARGV[o + 1])
+      local key, maxlen = KEYS[k], maxlens[k]
+      if modes[k] == 'b' and maxlen > 0 and redis.call('XLEN', key) + (added[key] or 0) >= maxlen then
         for j = i, n do out[j] = -1 end
         return out
       end
-      o = o + 4 + 2 * nf
+      o = o + 2 + 2 * nf
     end
   end
   local fresh = redis.call('XACK', KEYS[1], group, id) == 1
@@ -63,8 +70,9 @@ for i = 1, n do
   end
   o = first
   for _ = 1, nout do
-    local key, maxlen, mode, nf = KEYS[tonumber(ARGV[o])], tonumber(ARGV[o + 1]), ARGV[o + 2], tonumber(ARGV[o + 3])
-    local f0, f1 = o + 4, o + 3 + 2 * nf
+    local k, nf = tonumber(ARGV[o]), tonumber(ARGV[o + 1])
+    local key, mode = KEYS[k], modes[k]
+    local f0, f1 = o + 2, o + 1 + 2 * nf
     if fresh and action ~= 'x' then
       if mode == 'd' then
         dead_letter(f0, f1)
@@ -73,7 +81,7 @@ for i = 1, n do
           redis.call('HINCRBY', KEYS[2], 'outputs_dropped', 1)
         end
       elseif mode == 'c' then
-        redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, f0, f1))
+        redis.call('XADD', key, 'MAXLEN', '~', maxlens[k], '*', unpack(ARGV, f0, f1))
       else
         redis.call('XADD', key, '*', unpack(ARGV, f0, f1))
         added[key] = (added[key] or 0) + 1

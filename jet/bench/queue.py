@@ -138,9 +138,9 @@ async def lua_hop(r, url: str, keys: Keys, n: int, batch: int) -> tuple[float, f
         got = [e for _, es in await rb.xreadgroup(GROUP, "lua", {src: ">"}, count=batch, block=1000) or []
                for e in es]
         markers = [keys.done_marker(GROUP, f[b"i"].decode()) for _, f in got]
-        argv = [GROUP, 21_600, len(got), 0, 0]  # no dead cap, no room checks
+        argv = [GROUP, 21_600, len(got), 0, 0, 1, 0, "b"]  # no dead cap, no room checks; one output stream
         for entry_id, fields in got:
-            argv += [entry_id, "c", "", 1, len(got) + 4, 0, "b", len(fields), *(x for kv in fields.items() for x in kv)]
+            argv += [entry_id, "c", 1, len(got) + 4, len(fields), *(x for kv in fields.items() for x in kv)]
         await commit(keys=[src, keys.stats, keys.dead, *markers, out], args=argv)
         done += len(got)
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
