@@ -7,6 +7,7 @@ and drain on SIGTERM with exit 0. The redis service's arguments are given to
 the embedded Valkey binary.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -54,29 +55,39 @@ def test_structure():
         assert f"COPY {folder} ./{folder}" in dockerfile
 
 
-def test_redis_service_arguments_start_a_real_server(tmp_path):
-    args = [a.replace("${REDIS_PASSWORD:?set REDIS_PASSWORD}", "pw") for a in compose()["services"]["redis"]["command"]]
-    assert args[0] == "valkey-server"
+@contextlib.contextmanager
+def redis_service(args: list[str], tmp_path: Path, password: str):
+    """The compose file's redis command (`args`, variables resolved) run on the embedded Valkey binary,
+    on a free loopback port: yields a client that has answered PING."""
+    import redis
+
     port = free_port()
     p = subprocess.Popen([binary(), *args[1:], "--port", str(port), "--dir", str(tmp_path), "--bind", "127.0.0.1"],
                          stdout=subprocess.DEVNULL)
     try:
-        import redis
-
-        r = redis.Redis(port=port, password="pw")
+        r = redis.Redis(port=port, password=password)
         for _ in range(100):
             try:
                 assert r.ping()
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
-        assert r.config_get("appendonly") == {"appendonly": "yes"}
-        assert r.config_get("appendfsync") == {"appendfsync": "everysec"}
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(port=port).ping()
+        yield r
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_redis_service_arguments_start_a_real_server(tmp_path):
+    import redis
+
+    args = [a.replace("${REDIS_PASSWORD:?set REDIS_PASSWORD}", "pw") for a in compose()["services"]["redis"]["command"]]
+    assert args[0] == "valkey-server"
+    with redis_service(args, tmp_path, "pw") as r:
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+        assert r.config_get("appendfsync") == {"appendfsync": "everysec"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=r.connection_pool.connection_kwargs["port"]).ping()
 
 
 @pytest.fixture

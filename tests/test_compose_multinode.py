@@ -17,7 +17,10 @@ import pytest
 import yaml
 
 from jet.config import default_config_path
-from jet.queues.server import binary, free_port
+from jet.queues.server import free_port
+
+from .test_compose import compose as compose_file
+from .test_compose import redis_service
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE = ROOT / "docker-compose.multinode.yml"
@@ -26,7 +29,7 @@ VAR = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 
 
 def compose() -> dict:
-    return yaml.safe_load(FILE.read_text())
+    return compose_file(FILE.name)
 
 
 def resolve(value: str, env: dict[str, str]) -> str:
@@ -70,24 +73,9 @@ def test_structure():
 
 def test_redis_service_arguments_start_a_real_server(tmp_path):
     args = [resolve(a, {"REDIS_PASSWORD": "pw"}) for a in compose()["services"]["redis"]["command"]]
-    port = free_port()
-    p = subprocess.Popen([binary(), *args[1:], "--port", str(port), "--dir", str(tmp_path), "--bind", "127.0.0.1"],
-                         stdout=subprocess.DEVNULL)
-    try:
-        import redis
-
-        r = redis.Redis(port=port, password="pw")
-        for _ in range(100):
-            try:
-                assert r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+    with redis_service(args, tmp_path, "pw") as r:
         assert r.config_get("appendonly") == {"appendonly": "yes"}
         assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
-    finally:
-        p.terminate()
-        p.wait(10)
 
 
 def local_argv(name: str, env: dict[str, str]) -> list[str]:
@@ -100,8 +88,6 @@ def local_argv(name: str, env: dict[str, str]) -> list[str]:
 
 @pytest.mark.slow
 def test_every_service_command_runs(tmp_path, redis_url):
-    import shutil
-
     from jet.models import init_model
 
     run = f"multinode{os.getpid()}"  # its own keys on the session's server
