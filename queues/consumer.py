@@ -257,6 +257,7 @@ class Consumer:
         last_errors = await self._last_errors(dead_ids) if dead_ids else {}
         out_keys: dict[str, bytes] = {}  # output key -> its KEYS index
         modes: list = []  # per output key, in KEYS order: maxlen, mode
+        bounded = False  # some output has a room check (else the script skips that pass)
         body: list = []
         base = 4 + len(markers)  # KEYS is 1-based: input, stats, dead, markers..., then outputs
         for d, outcome in items:
@@ -273,11 +274,12 @@ class Consumer:
                 index = out_keys.get(key)
                 if index is None:
                     index = out_keys[key] = b"%d" % (base + len(out_keys))
-                    modes += self._output_mode(key)
+                    maxlen, mode = self._output_mode(key)
+                    modes += (maxlen, mode)
+                    bounded = bounded or (mode == b"b" and maxlen != b"0")
                 body += (index, b"%d" % len(fields))
                 for kv in fields.items():
                     body += kv
-        bounded = any(mode == b"b" and maxlen != b"0" for maxlen, mode in zip(modes[::2], modes[1::2]))
         argv = [self.group, b"%d" % self.cfg.marker_ttl, b"%d" % len(items), b"%d" % self.cfg.dead_cap,
                 b"1" if bounded else b"0", b"%d" % len(out_keys), *modes, *body]
         with translated(self.url):
