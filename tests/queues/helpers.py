@@ -40,13 +40,20 @@ async def serve(c: Consumer, handle, stop, *, drain_timeout_s: float = 30.0) -> 
 
 
 async def eventually(probe, timeout: float = 20.0, every: float = 0.02):
-    """Await `probe()` until it returns something truthy (and return it); fail after `timeout` s."""
+    """Call `probe()` (awaiting what it returns, when awaitable) until it gives something truthy (and
+    return it); fail after `timeout` s."""
     import anyio
 
     with anyio.fail_after(timeout):
-        while not (got := await probe()):
+        while not (got := await _value(probe())):
             await anyio.sleep(every)
     return got
+
+
+async def _value(x):
+    import inspect
+
+    return await x if inspect.isawaitable(x) else x
 
 
 async def idle_ms(r, stream: str, group: str, entry_id: str) -> int:

@@ -188,7 +188,7 @@ async def test_messages_finishing_together_as_the_drain_ends_are_all_committed(r
         async with Runtime(redis_url, keys, src, "g", "together", Settings(block_ms=100)) as rt:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(functools.partial(rt.serve_each, handle, stop, concurrency=n, drain_timeout_s=10))
-                await eventually(lambda: _true(len(started) == n))
+                await eventually(lambda: len(started) == n)
                 stop.set()  # the drain: every message is running
                 go_first.set()  # the first finishes; its commit goes to the server ...
                 for _ in range(turns):
@@ -198,7 +198,3 @@ async def test_messages_finishing_together_as_the_drain_ends_are_all_committed(r
     assert sorted(p.meta["n"] for p in await read_all(r, dst)) == list(range(sent))
     assert (await r.xpending(src, "g"))["pending"] == 0
     await r.aclose()
-
-
-async def _true(value: bool) -> bool:
-    return value

@@ -3,6 +3,7 @@ worker processes (`procs`) whose logs a failing test's report shows."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import socket
@@ -61,11 +62,15 @@ async def trajectories(url: str, keys: Keys, model: str = MODEL) -> list[Traject
 
 
 async def wait_for(predicate, timeout: float, every: float = 0.1):
-    """Poll the async `predicate` until it returns something truthy; return it."""
+    """Poll `predicate` (awaiting what it returns, when awaitable) until it gives something truthy; return it."""
     with anyio.fail_after(timeout):
-        while not (value := await predicate()):
+        while not (value := await _value(predicate())):
             await anyio.sleep(every)
     return value
+
+
+async def _value(x):
+    return await x if inspect.isawaitable(x) else x
 
 
 ROOT = Path(__file__).resolve().parents[2]

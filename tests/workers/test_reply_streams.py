@@ -52,7 +52,7 @@ async def test_a_reply_to_a_client_that_vanished_mid_request_is_dropped_and_coun
                 async with anyio.create_task_group() as calls:
                     calls.start_soon(lambda: llm.generate([5, 6, 7], max_tokens=50))
                     await wait_for(lambda: gen_pending(r, keys), timeout=30, every=0.01)  # the worker holds it
-                    await wait_for(lambda: _true(backend.engine.gate.waiting == 1), timeout=30, every=0.01)  # in the engine
+                    await wait_for(lambda: backend.engine.gate.waiting == 1, timeout=30, every=0.01)  # in the engine
                     calls.cancel_scope.cancel()  # the client gives up ...
         # ... and is gone (its reply stream deleted) before the worker generates the answer.
         assert not await r.exists(reply_to)
@@ -92,7 +92,3 @@ async def _consumer_ending(r, keys, suffix: str) -> bool:
         return False
     consumers = await r.xinfo_consumers(keys.tasks("chat"), GROUP_ENV)
     return any(c["name"].decode().endswith(suffix) for c in consumers)
-
-
-async def _true(value: bool) -> bool:
-    return value
