@@ -7,9 +7,10 @@ lua  the issue's reference prototype, in this process: XREADGROUP a batch, then
      one SETTLE script call (ack + marker + produce), no decode, no runtime.
 hop  1 or 2 worker processes, each the real consumer runtime (reaper, lease
      keeper, decode, marker check, atomic ack+produce) with a no-op handler that
-     forwards each entry (same size) to an output stream. Workers signal ready
-     and wait for a `start` event (on the run's `events` stream), so process
-     start-up is not timed; the clock stops when the output holds all N.
+     forwards each entry (same size) to an output stream. Workers connect (the
+     runtime's clients and group), signal ready and wait for a `start` event (on
+     the run's `events` stream), so start-up is not timed; the clock stops when
+     the output holds all N.
 Rates are compared as x raw against the same server in the same run. Every
 measurement is repeated (default 2) and the fastest run counts, because other
 work on the machine only ever slows a run down; all samples are in --json.
@@ -352,13 +353,6 @@ async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wir
     cfg = Settings(batch=batch, block_ms=1000)
     r = await connect(url)
     out = keys.traj("bench")
-    await r.xadd(keys.events, codec.encode("bench", {"event": "ready", "slot": slot}))
-    last, started = "0-0", False
-    while not started:
-        for _, items in await r.xread({keys.events: last}, block=1000) or []:
-            for last, fields in items:
-                started = started or codec.decode(fields).meta.get("event") == "start"
-    cpu = time.process_time()
 
     async def handle(ds):  # no-op: forward each (already decoded) entry unchanged
         if wire:  # ... once it passed the wire type's validation, as the inference worker does
@@ -366,9 +360,17 @@ async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wir
                 GenRequest.from_payload(d.payload)
         return [[(out, d.fields)] for d in ds]
 
+    # Connected (its two clients, the group) before it says ready: start-up is not timed.
     async with Runtime(url, keys, keys.tasks("bench"), GROUP, consumer_name("bench", slot), cfg, stop=stop) as rt:
+        await r.xadd(keys.events, codec.encode("bench", {"event": "ready", "slot": slot}))
+        last, started = "0-0", False
+        while not started:
+            for _, items in await r.xread({keys.events: last}, block=1000) or []:
+                for last, fields in items:
+                    started = started or codec.decode(fields).meta.get("event") == "start"
+        cpu = time.process_time()
         await rt.serve_batches(handle, stop)
-    cpu = time.process_time() - cpu
+        cpu = time.process_time() - cpu
     await r.xadd(keys.events, codec.encode("bench", {"event": "done", "slot": slot, "cpu_s": cpu}))
     await r.aclose()
 
