@@ -11,7 +11,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
 from jet.supervisor import EXIT_FATAL, READY_ENV, Child, Supervisor
 
@@ -118,7 +117,8 @@ def test_run_drains_every_child_on_sigterm(tmp_path):
             pathlib.Path({str(marker)!r}).write_text("yes")
             sys.exit(0)
         signal.signal(signal.SIGTERM, drain)
-        print("up", flush=True)
+        sys.stdout.write("up\\n")  # one write: both children share the pipe, and under
+        sys.stdout.flush()  # PYTHONUNBUFFERED print's two writes interleave ("upup")
         while True:
             time.sleep(0.05)
     """)

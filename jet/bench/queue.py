@@ -5,12 +5,16 @@ raw  one redis-py asyncio client (`jet.queues.connect`) XADDs pre-encoded codec
      input of the next measurement; the baseline is the best fill of the run.
 lua  the issue's reference prototype, in this process: XREADGROUP a batch, then
      one SETTLE script call (ack + marker + produce), no decode, no runtime.
-hop  1 or 2 worker processes, each the real consumer runtime (reaper, lease
-     keeper, decode, marker check, atomic ack+produce) with a no-op handler that
-     forwards each entry (same size) to an output stream. Workers connect (the
-     runtime's clients and group), signal ready and wait for a `start` event (on
-     the run's `events` stream), so start-up is not timed; the clock stops when
-     the output holds all N.
+hop  1 or 2 worker processes, each the real consumer runtime in its batch mode
+     (`serve_batches`: reaper, lease keeper, decode, marker check, atomic
+     ack+produce) with a no-op handler that forwards each entry (same size) to
+     an output stream. Workers connect (the runtime's clients and group), signal
+     ready and wait for a `start` event (on the run's `events` stream), so
+     start-up is not timed; the clock stops when the output holds all N.
+each the same with one worker process on the runtime's per-message mode
+     (`serve_each`, as many handler calls in flight as the batch size, each
+     committed by the runtime's committer as it finishes): the env and
+     inference workers' path, for comparison (no goal).
 Rates are compared as x raw against the same server in the same run. Every
 measurement is repeated (default 2) and the fastest run counts, because other
 work on the machine only ever slows a run down; all samples are in --json.
@@ -150,10 +154,10 @@ async def lua_hop(r, url: str, keys: Keys, n: int, batch: int) -> tuple[float, f
 
 
 def spawn(url: str, run: str, slot: int, batch: int, log: Path, profile: str | None,
-          wire: bool = False) -> subprocess.Popen:
+          wire: bool = False, each: bool = False) -> subprocess.Popen:
     argv = [sys.executable, "-m", "jet.bench.queue", "--url", url, "--run", run, "--slot", str(slot),
             "--batch", str(batch)] + (["--profile", f"{profile}.{run}.{slot}"] if profile else [])
-    argv += ["--wire"] if wire else []
+    argv += (["--wire"] if wire else []) + (["--each"] if each else [])
     with open(log, "wb") as f:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
 
@@ -163,12 +167,12 @@ def tail(log: Path) -> str:
 
 
 async def hop(r, url: str, keys: Keys, n: int, consumers: int, batch: int, log_dir: Path,
-              profile: str | None, wire: bool = False) -> tuple[float, float]:
+              profile: str | None, wire: bool = False, each: bool = False) -> tuple[float, float]:
     """`consumers` worker processes over the pre-filled input. (seconds, their CPU seconds)"""
     from jet.queues import codec
 
     logs = [log_dir / f"{keys.run}-{s}.log" for s in range(consumers)]
-    procs = [spawn(url, keys.run, s, batch, logs[s], profile, wire) for s in range(consumers)]
+    procs = [spawn(url, keys.run, s, batch, logs[s], profile, wire, each) for s in range(consumers)]
     out = keys.traj("bench")
 
     def check_alive() -> None:
@@ -237,7 +241,7 @@ async def measure(url: str, ns: dict[str, int], counts: list[int], batch: dict[s
         for label, n in ns.items():
             data = entries(label, n, wire)
             size = codec.entry_size(data[0])
-            cases = [("lua", 1)] + [("hop", k) for k in counts]
+            cases = [("lua", 1)] + [("hop", k) for k in counts] + [("each", 1)]
             raws, runs = [], {case: [] for case in cases}
             for mode, k in cases * repeat:
                 keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
@@ -254,7 +258,8 @@ async def measure(url: str, ns: dict[str, int], counts: list[int], batch: dict[s
                 if mode == "lua":
                     seconds, cpu = await lua_hop(r, url, keys, n, batch[label])
                 else:
-                    seconds, cpu = await hop(r, url, keys, n, k, batch[label], log_dir, profile, wire)
+                    seconds, cpu = await hop(r, url, keys, n, k, batch[label], log_dir, profile, wire,
+                                             each=mode == "each")
                 runs[mode, k].append(rate(label, mode, k, n, size, seconds, cpu, await server_cpu(r) - s0))
                 await drop_run(r, keys)
             # One baseline per payload: the best of all fills, so a slow fill cannot flatter the ratios.
@@ -342,10 +347,12 @@ def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, bat
 # -- the worker process ------------------------------------------------------------------
 
 
-async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wire: bool = False) -> None:
+async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wire: bool = False,
+               each: bool = False) -> None:
     from jet.queues import codec
     from jet.queues.connect import connect
     from jet.queues.consumer import Settings, consumer_name
+    from jet.queues.messages import Commit
     from jet.queues.runtime import Runtime
     from jet.wire import GenRequest
 
@@ -360,6 +367,11 @@ async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wir
                 GenRequest.from_payload(d.payload)
         return [[(out, d.fields)] for d in ds]
 
+    async def handle_one(d):  # the same, one message per call
+        if wire:
+            GenRequest.from_payload(d.payload)
+        return Commit([(out, d.fields)])
+
     # Connected (its two clients, the group) before it says ready: start-up is not timed.
     async with Runtime(url, keys, keys.tasks("bench"), GROUP, consumer_name("bench", slot), cfg, stop=stop) as rt:
         await r.xadd(keys.events, codec.encode("bench", {"event": "ready", "slot": slot}))
@@ -369,7 +381,10 @@ async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wir
                 for last, fields in items:
                     started = started or codec.decode(fields).meta.get("event") == "start"
         cpu = time.process_time()
-        await rt.serve_batches(handle, stop)
+        if each:
+            await rt.serve_each(handle_one, stop, concurrency=batch)
+        else:
+            await rt.serve_batches(handle, stop)
         cpu = time.process_time() - cpu
     await r.xadd(keys.events, codec.encode("bench", {"event": "done", "slot": slot, "cpu_s": cpu}))
     await r.aclose()
@@ -382,18 +397,19 @@ async def work(url: str, run: str, slot: int, batch: int, stop: anyio.Event, wir
 @click.option("--batch", type=int, required=True)
 @click.option("--profile", default=None)
 @click.option("--wire", is_flag=True)
-def worker_cli(url, run, slot, batch, profile, wire):
+@click.option("--each", is_flag=True)
+def worker_cli(url, run, slot, batch, profile, wire, each):
     """One hop consumer, started by `jet bench queue`; SIGTERM drains it (exit 0)."""
     from jet.supervisor import run_role
 
     if not profile:
-        run_role(lambda stop: work(url, run, slot, batch, stop, wire), "bench-queue-worker")
+        run_role(lambda stop: work(url, run, slot, batch, stop, wire, each), "bench-queue-worker")
         return
     import cProfile
 
     with cProfile.Profile() as prof:
         try:
-            run_role(lambda stop: work(url, run, slot, batch, stop, wire), "bench-queue-worker")
+            run_role(lambda stop: work(url, run, slot, batch, stop, wire, each), "bench-queue-worker")
         finally:
             prof.dump_stats(profile)
 

@@ -18,7 +18,7 @@ def test_quick_json_on_its_own_embedded_server():
     assert report["server"]["embedded"] is True
     rows = report["rows"]
     assert [(x["payload"], x["mode"], x["consumers"]) for x in rows] == [
-        (p, m, k) for p in ("100B", "40KB") for m, k in (("raw", 0), ("lua", 1), ("hop", 1), ("hop", 2))]
+        (p, m, k) for p in ("100B", "40KB") for m, k in (("raw", 0), ("lua", 1), ("hop", 1), ("hop", 2), ("each", 1))]
     for x in rows:
         assert set(x) == FIELDS
         assert x["msgs_s"] > 0 and x["mb_s"] > 0 and x["seconds"] > 0
@@ -44,7 +44,7 @@ def test_table_against_a_given_server(redis_url):
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "jet bench queue" in out and "embedded" not in out.splitlines()[0]
-    for word in ("raw", "lua", "hop", "100B", "40KB", "msgs/s", "MB/s", "x raw", ">= 0.7", ">= 0.5"):
+    for word in ("raw", "lua", "hop", "each", "100B", "40KB", "msgs/s", "MB/s", "x raw", ">= 0.7", ">= 0.5"):
         assert word in out
 
 
