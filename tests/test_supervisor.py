@@ -11,7 +11,6 @@ import textwrap
 import time
 from pathlib import Path
 
-
 from jet.supervisor import EXIT_FATAL, READY_ENV, Child, Supervisor
 
 FAST = (0.05, 0.2)  # restart delays for tests (s)
