@@ -10,12 +10,13 @@ says how much concurrency it wants:
   each outcome committed as soon as it finishes (env worker episodes, the
   study worker's runs, continuous-batching inference);
 - `serve_batches(handler, stop)`: a fetcher reads up to two batches ahead while
-  the handler works on one (batch inference, the queue benchmark);
+  the handler works on one (handlers that are cheap per message; the queue
+  benchmark's hop);
 - pull: `fetch()` and `settle()`, for a role that holds entries on its own
   terms (the trainer keeps trajectories until a checkpoint covers them).
 
 Handler outcomes are values (`Commit`, `Release`, `Dead`, `Drop`: see
-jet.queues.consumer); an exception in a handler is a `Release` with its
+jet.queues.messages); an exception in a handler is a `Release` with its
 traceback, which becomes the dead-letter reason if the entry dies. A committer
 task settles what finished while the previous Lua call ran in the next one, so
 each message is committed one round trip after it finishes and throughput grows
