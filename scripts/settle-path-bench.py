@@ -23,8 +23,8 @@ from jet.queues import codec
 from jet.queues.consumer import Consumer, Settings
 
 try:
-    from jet.queues.messages import Commit, Delivery
-    from jet.queues.runtime import Runtime, _as_outcome
+    from jet.queues.messages import Delivery
+    from jet.queues.runtime import Runtime, _batch_outcomes
 except ImportError:  # before the consumer runtime: results went to Consumer.commit as they were
     from jet.queues.consumer import Delivery
 
@@ -54,8 +54,7 @@ async def main(label: str) -> None:
             results = [[(out, d.fields)] for d in ds]  # what a batch handler returns
             c.inflight.update((d.entry_id, d) for d in ds)
             if Runtime is not None:  # exactly what Runtime.serve_batches does with them
-                await rt.settle([(d, Commit(r) if r.__class__ is list else _as_outcome(r))
-                                 for d, r in zip(ds, results)])
+                await rt.settle(_batch_outcomes(ds, results))
             else:
                 await c.commit(list(zip(ds, results)))
         best = min(best, time.perf_counter() - t)
