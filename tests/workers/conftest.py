@@ -3,7 +3,6 @@ worker processes (`procs`) whose logs a failing test's report shows."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import socket
@@ -12,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import anyio
 import pytest
 import yaml
 
@@ -23,6 +21,8 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.producer import Producer
 from jet.wire import Task, Trajectory
+
+from ..queues.helpers import eventually
 
 MODEL = "tiny"
 
@@ -62,15 +62,9 @@ async def trajectories(url: str, keys: Keys, model: str = MODEL) -> list[Traject
 
 
 async def wait_for(predicate, timeout: float, every: float = 0.1):
-    """Poll `predicate` (awaiting what it returns, when awaitable) until it gives something truthy; return it."""
-    with anyio.fail_after(timeout):
-        while not (value := await _value(predicate())):
-            await anyio.sleep(every)
-    return value
-
-
-async def _value(x):
-    return await x if inspect.isawaitable(x) else x
+    """Poll `predicate` (awaiting what it returns, when awaitable) until it gives something truthy; return it.
+    `tests.queues.helpers.eventually`, with the timeout always given and a slower default poll."""
+    return await eventually(predicate, timeout, every)
 
 
 ROOT = Path(__file__).resolve().parents[2]
