@@ -54,9 +54,7 @@ import anyio
 import orjson
 
 from jet.errors import QueueError
-from jet.keys import Keys
 from jet.llm import Session
-from jet.queues.connect import translated
 from jet.timeline import Call, Sample, merge_calls
 from jet.wire import Reward, Task, Trajectory
 

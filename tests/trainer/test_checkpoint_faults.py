@@ -24,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
