@@ -71,6 +71,7 @@ def test_structure():
         resolve(services["env"]["environment"]["JET_REDIS_URL"], {})
 
 
+@pytest.mark.slow
 def test_redis_service_arguments_start_a_real_server(tmp_path):
     args = [resolve(a, {"REDIS_PASSWORD": "pw"}) for a in compose()["services"]["redis"]["command"]]
     with redis_service(args, tmp_path, "pw") as r:
