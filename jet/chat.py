@@ -2,7 +2,7 @@
 
 What it is: `Conversations` keeps, for one agent on one model, the exact token
 ids each call saw and produced, and builds the next prompt by APPENDING to them
-(DESIGN.md, "Timelines"). `parse_reply` turns a completion into an assistant
+(docs/design.md, "Timelines"). `parse_reply` turns a completion into an assistant
 message (content and `<tool_call>{json}</tool_call>` tool calls, the format the
 templates of `jet.models` render). The chat template is the tokenizer's own.
 

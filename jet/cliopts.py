@@ -56,15 +56,15 @@ def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()):
         raise click.ClickException(str(e)) from None
 
 
-def require_models(cfg, path: str, names: Iterable[str] | None = None) -> None:
-    """Each model named (every model when None) has a model directory at its path, else a one-line CLI
-    error naming `models[i].path`: a role that loads a model calls this first, so a wrong path is not a
-    traceback from transformers."""
+def require_models(cfg, path: str, names: Iterable[str] | None = None):
+    """The config with each model named (every model when None) at its local folder (a Hub id resolved,
+    `jet.config.check_models`), else a one-line CLI error naming `models[i].path`: a role that loads a
+    model calls this first and loads what it returns, so a wrong path is not a traceback from transformers."""
     from jet.config import check_models
     from jet.errors import ConfigError
 
     try:
-        check_models(cfg, names)
+        return check_models(cfg, names)
     except ConfigError as e:
         raise click.ClickException(f"{path}: {e}") from None
 
@@ -94,16 +94,24 @@ def run_jet(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
 class LazyGroup(click.Group):
     """A click group whose subcommands are `module:attribute` strings, imported on use."""
 
-    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
+    def __init__(self, *args, lazy: dict[str, tuple[str, ...]] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})  # name -> (import path, one-line help)
+        self.lazy = dict(lazy or {})  # name -> (import path, one-line help[, the extra it needs])
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.lazy))
 
     def get_command(self, ctx, name):
         if name in self.lazy:
-            module, attr = self.lazy[name][0].split(":")
+            path, _, *extra = self.lazy[name]
+            if extra:
+                from jet.extras import MissingExtra, require
+
+                try:
+                    require(extra[0], f"{ctx.command_path} {name}")
+                except MissingExtra as e:
+                    raise click.ClickException(str(e)) from None
+            module, attr = path.split(":")
             return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, name)
 

@@ -29,13 +29,14 @@ from typing import Annotated, Any, Iterable, Literal
 from pydantic import AfterValidator, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
-from jet import configlib
+from jet import configlib, rows
 from jet.configlib import Section, hint, invalid, problem
 from jet.errors import ConfigError
 from jet.keys import STREAM_KINDS as KEY_STREAM_KINDS, check_name
+from jet.sources import hub_id, pinned, resolve_model
 
 __all__ = ["JetConfig", "QueueConfig", "ModelConfig", "TaskConfig", "RuntimeConfig", "TrainerConfig", "load",
-           "load_file", "dump", "write_resolved", "redis_url", "check_models", "default_config_path",
+           "load_file", "dump", "write_resolved", "redis_url", "check_models", "pins", "default_config_path",
            "REDIS_URL_ENV", "RESOLVED_NAME"]
 
 REDIS_URL_ENV = "JET_REDIS_URL"
@@ -61,12 +62,12 @@ def _function(value: str | None) -> str | None:
 
 
 def _is_path(dataset: str) -> bool:
-    """A dataset is a JSONL file when it looks like one; otherwise a built-in dataset name."""
-    return dataset.endswith(".jsonl") or "/" in dataset or os.sep in dataset
+    """A dataset is read by jet.rows (a file, a folder or a Hub dataset) unless it is a built-in name."""
+    return rows.kind(dataset) != "builtin"
 
 
 def _dataset(value: str) -> str:
-    return value if _is_path(value) else check_name("dataset", value)
+    return value if _is_path(value) else check_name("dataset", value)  # kind() raises on a bad '?' query
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -113,7 +114,8 @@ class ModelConfig(Section):
     name: ModelName
     """Model name: key namespace of its gen/traj/weights streams, referenced by tasks[].model."""
     path: NonEmpty
-    """HF model directory (config + weights + tokenizer); relative paths are against the config file's folder."""
+    """HF model folder (config + safetensors weights + tokenizer; relative paths are against the config file's
+    folder), or a Hugging Face Hub id `owner/name[@revision]` fetched into the HF cache (a folder wins)."""
     backend: Literal["hf", "vllm"] = "hf"
     """Inference backend: 'hf' (transformers, CPU or GPU) or 'vllm' (GPU)."""
     trainable: bool = True
@@ -126,6 +128,12 @@ class ModelConfig(Section):
     """Inference dtype; float32 gives the logprobs a float32 trainer recomputes (bfloat16 is faster on GPUs)."""
     max_inflight: PositiveInt = 64
     """Generation requests one inference worker decodes at once, each answered as it completes (requests)."""
+    threads: PositiveInt | None = None
+    """CPU threads of this model's inference worker on device 'cpu' (torch intra-op threads); None: `jet up`
+    gives it its share of the cores (jet.up.thread_shares), a worker started alone keeps torch's default."""
+    request_timeout_s: PositiveFloat = 300.0
+    """Longest wait of one generation call of this model, queueing and decoding included (s): then the call
+    raises GenerationTimeout, and a worker that had not started the request drops it (jet.llm)."""
     weights_roots: list[str] = Field(default_factory=list)
     """Folders weight announcements may point into besides <runs_dir>/<run>/weights/<model> (paths)."""
     trainer: dict[str, Any] = Field(default_factory=dict)
@@ -145,7 +153,9 @@ class TaskConfig(Section):
     workflow: Function
     """Episode function as 'module:function'; it talks to the model and returns the episode."""
     dataset: Annotated[NonEmpty, AfterValidator(_dataset)]
-    """Dataset rows: a built-in dataset name, or a JSONL file (relative to the config file's folder)."""
+    """Dataset rows: a built-in dataset name; a .jsonl, .parquet or .csv file (relative to the config file's
+    folder); or a Hub dataset id or dataset folder for `datasets.load_dataset`, as `owner/name` with an
+    optional `?config=<name>&split=<split>&revision=<rev>` (split: train). See jet/rows.py."""
     reward: Function | None = None
     """Reward function as 'module:function'; None when the workflow returns the reward itself."""
     group_size: PositiveInt = 4
@@ -175,6 +185,11 @@ class TrainerConfig(Section):
     """Token budget of one forward/backward micro-batch (tokens, padding included)."""
     max_staleness: NonNegativeInt = 4
     """Oldest policy version accepted for a trajectory, counted back from the current one (versions)."""
+    admission: Literal["staleness", "off"] = "staleness"
+    """How `jet up` / `jet feed` start episodes of this model: 'staleness' admits one only while the
+    trajectories admitted and not yet trained or dropped stay within (max_staleness + 1) x batch_groups
+    groups, so no sample is generated only to arrive stale (AReaL's rule); 'off' keeps the task streams
+    topped up however far the trainer is behind."""
     publish_every: PositiveInt = 1
     """Publish new weights to the inference workers every N optimiser steps (steps)."""
     checkpoint_every: NonNegativeInt = 50
@@ -215,13 +230,20 @@ class TrainerConfig(Section):
     """Trainer processes (data-parallel ranks) when backend is 'deepspeed' (processes)."""
     device: NonEmpty = "cpu"
     """Torch device of the trainer ('cpu', 'cuda'); deepspeed ranks on 'cuda' use cuda:<local rank>."""
+    threads: PositiveInt | None = None
+    """CPU threads of this trainer on device 'cpu' (torch intra-op threads); None: `jet up` gives it its
+    share of the cores (jet.up.thread_shares), a trainer started alone keeps torch's default."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of forward/backward: 'bfloat16' autocasts over float32 master weights (torch backend)
-    or runs DeepSpeed's bf16 mode (its optimiser keeps float32 master weights); logprobs stay float32."""
+    """Compute dtype of forward/backward: 'bfloat16' autocasts over float32 master weights (torch backend,
+    CPU or CUDA) or runs DeepSpeed's bf16 mode (its optimiser keeps float32 master weights); logprobs stay
+    float32; published weights are written in this dtype (checkpoints keep float32)."""
     lease_s: PositiveFloat = 600.0
     """Lease on consumed trajectories, held (and renewed) until a checkpoint makes their step durable (s)."""
     keep_checkpoints: PositiveInt = 2
-    """Checkpoints kept in the run folder; older ones are deleted (count)."""
+    """Checkpoints kept in the run folder; older ones are deleted once a newer one is whole (count)."""
+    keep_weights: PositiveInt = 3
+    """Published weight versions kept in runs/<run>/weights/<model>; an older one is deleted only when no
+    live inference worker serves it or anything older (versions)."""
     seed: NonNegativeInt = 0
     """Seed of torch, numpy and the dataset order (integer)."""
     mix_wait_s: NonNegativeFloat = 30.0
@@ -371,7 +393,16 @@ def _resolve_paths(cfg: JetConfig, base: Path) -> JetConfig:
     def resolve(p: str) -> str:
         return str((base / Path(p).expanduser()).resolve())
 
-    models = [m.model_copy(update={"path": resolve(m.path)}) for m in cfg.models]
+    def model(p: str) -> str:  # a Hub id stays as it is unless a folder of that name is there
+        return resolve(p) if hub_id(p) is None or (base / p).exists() else p
+
+    def dataset(d: str) -> str:  # a file or folder resolved, its '?query' kept; a Hub id as it is
+        where, _, query = d.partition("?")
+        if not _is_path(d) or (rows.kind(d) == "hf" and hub_id(where) and not (base / where).exists()):
+            return d
+        return resolve(where) + (f"?{query}" if query else "")
+
+    models = [m.model_copy(update={"path": model(m.path)}) for m in cfg.models]
     tasks = []
     for t in cfg.tasks:
         python = t.runtime.python
@@ -379,27 +410,35 @@ def _resolve_paths(cfg: JetConfig, base: Path) -> JetConfig:
             python = os.path.abspath(base / Path(python).expanduser())  # keeps symlinks: a venv's python links
         runtime = t.runtime.model_copy(update={"python": python,
                                                "cwd": resolve(t.runtime.cwd) if t.runtime.cwd else None})
-        dataset = resolve(t.dataset) if _is_path(t.dataset) else t.dataset
-        tasks.append(t.model_copy(update={"dataset": dataset, "runtime": runtime}))
+        tasks.append(t.model_copy(update={"dataset": dataset(t.dataset), "runtime": runtime}))
     return cfg.model_copy(update={"models": models, "tasks": tasks})
 
 
-def check_models(cfg: JetConfig, names: Iterable[str] | None = None) -> None:
-    """Each model named (every model when None) has a model directory at its path, else a ConfigError
-    naming `models[i].path`. A role calls it before loading a model, so a wrong path is one line."""
+def check_models(cfg: JetConfig, names: Iterable[str] | None = None) -> JetConfig:
+    """The config with each model named (every model when None) at its local folder: a Hub id resolved
+    by `jet.sources.resolve_model`; else a ConfigError naming `models[i].path`. A role calls it before
+    loading a model, so a wrong path is one line, and loads the folder it returns."""
     wanted = None if names is None else set(names)
-    for i, m in enumerate(cfg.models):
-        if (wanted is None or m.name in wanted) and not (Path(m.path) / "config.json").is_file():
-            why = "it has no config.json" if Path(m.path).is_dir() else "no such directory"
-            raise invalid(f"models[{i}].path", f"no model directory at {m.path!r} ({why}; build a tiny one "
-                                               f"with `jet model init --out {m.path}`)")
+    models = [m.model_copy(update={"path": resolve_model(m.path, f"models[{i}].path")})
+              if wanted is None or m.name in wanted else m for i, m in enumerate(cfg.models)]
+    return cfg.model_copy(update={"models": models})
+
+
+def pins(cfg: JetConfig, resolved: JetConfig) -> tuple[str, ...]:
+    """`--set` overrides pinning each Hub model of `cfg` to the commit `resolved` (check_models) found,
+    for the processes a role starts: they load the same weights even when the branch moves meanwhile."""
+    return tuple(f"models.{i}.path={pin}" for i, (m, r) in enumerate(zip(cfg.models, resolved.models))
+                 if (pin := pinned(m.path, r.path)))
 
 
 def _check_paths(cfg: JetConfig) -> None:
     check_models(cfg)
     for i, t in enumerate(cfg.tasks):
-        if _is_path(t.dataset) and not Path(t.dataset).is_file():
+        where = t.dataset.partition("?")[0]
+        if rows.kind(t.dataset) in rows.FILE_KINDS.values() and not Path(where).is_file():
             raise invalid(f"tasks[{i}].dataset", f"no such file {t.dataset!r}")
+        if rows.kind(t.dataset) == "hf" and os.path.isabs(where) and not Path(where).is_dir():
+            raise invalid(f"tasks[{i}].dataset", f"no such dataset folder {where!r}")
         if t.runtime.cwd and not Path(t.runtime.cwd).is_dir():
             raise invalid(f"tasks[{i}].runtime.cwd", f"no such directory {t.runtime.cwd!r}")
         python = t.runtime.python

@@ -111,9 +111,11 @@ async def enqueue(url: str, run: str, task: str, tasks: list[Task], maxlen: int,
 def _rows(file: str | None, dataset: str | None, n: int | None, seed: int) -> tuple[list[tuple[str, dict]], int, str]:
     """Every row (with where it comes from: a file is checked whole), how many to take, and where from."""
     if file:
-        rows = [(f"{file}:{line}", row) for line, row in numbered_rows(file)]
+        from jet.rows import numbered
+
+        rows = list(numbered(file))
         if not rows:
-            raise ConfigError(f"{file}: no rows (every line is blank)")
+            raise ConfigError(f"{file}: no rows")
         taken = min(n, len(rows)) if n else len(rows)
         return rows, taken, f"from {file}" + (f" (first {taken} of {len(rows)} rows)" if taken < len(rows) else "")
     from jet.tasks import dataset as builtin
@@ -124,8 +126,9 @@ def _rows(file: str | None, dataset: str | None, n: int | None, seed: int) -> tu
 
 @click.command("enqueue")
 @click.argument("task")
-@click.option("--file", "file", type=click.Path(exists=True, dir_okay=False), help="JSONL rows.")
-@click.option("--dataset", help="A built-in dataset name (e.g. guess, arith).")
+@click.option("--file", "file", type=click.Path(exists=True, dir_okay=False), help="A .jsonl, .parquet or .csv file.")
+@click.option("--dataset", help="A built-in dataset name (e.g. guess, arith), a dataset folder or a Hub dataset "
+                                "(owner/name[?config=C&split=S&revision=R]).")
 @click.option("-n", "--n", "n", type=int, default=None, help="Rows to take (built-in default 100).")
 @click.option("--group-size", type=int, default=None, help="Copies per row sharing a group id (default: config or 4).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of a built-in dataset.")
@@ -151,8 +154,14 @@ def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redi
         run = run or cfg.run
         dataset = dataset or (None if file else tc.dataset)
         group_size = group_size or tc.group_size
-        if dataset and ("/" in dataset or dataset.endswith(".jsonl")):
-            file, dataset = dataset, None
+    if dataset and not file:
+        from jet.rows import kind
+
+        try:
+            if kind(dataset) != "builtin":
+                file, dataset = dataset, None
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--dataset") from None
     if bool(file) == bool(dataset):
         raise click.UsageError("give exactly one of --file or --dataset (or --config)")
     if group_size is not None and group_size < 1:

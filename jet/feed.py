@@ -3,8 +3,18 @@
 Topping up: each tick, a task whose backlog (unread + pending Tasks of the
 `env` group) is below its target gets more rows, in `group_size` copies, from
 its dataset: built-in datasets in deterministic chunks (chunk k uses seed
-`trainer.seed + k`), JSONL files cycled. Backlog targets follow the tasks'
+`trainer.seed + k`), files and Hub datasets (jet.rows) read once and cycled. Backlog targets follow the tasks'
 `weight`s, so the offered mix matches the configured ratio.
+Admission (`trainer.admission: staleness`, the default): a trained model's
+episodes start only while the trajectories admitted for it and not yet decided
+by its trainer (trained, stale, failed, dropped with a small group, malformed,
+poison) stay within `(max_staleness + 1) x batch_groups` groups, so the swarm
+never generates a sample only for it to arrive stale (AReaL's admission rule).
+Both counts live in the hash `Keys.rollout(model)`: `admitted`, which the
+feeder raises as it enqueues, and `counts`, the trainer's outcome counts,
+rewritten after every step (and restored from its checkpoint on a resume).
+Within the budget, rows go to the task furthest below its weight's share. Tasks
+enqueued by hand (`jet enqueue`) are not admitted: they run as they come.
 Progress: it XREADs the `traj:<model>` streams without a group (it must never
 hold back trimming) and keeps the count and rewards of the trajectories it saw.
 
@@ -35,11 +45,13 @@ class Feeder:
         self.target = {t.name: max(t.group_size, int(base * t.weight / total * len(cfg.tasks))) for t in cfg.tasks}
         self.chunk = {t.name: 0 for t in cfg.tasks}
         self.file_pos = {t.name: 0 for t in cfg.tasks}
+        self.file_rows: dict[str, list[dict]] = {}  # task -> rows of its file or Hub dataset
         self.cursor = {m.name: "0-0" for m in cfg.models}
         self.trajectories = 0
         self.failed = 0
         self.rewards: list[float] = []
         self.enqueued = {t.name: 0 for t in cfg.tasks}
+        self.outcomes: dict[str, dict[str, int]] = {}  # model -> its trainer's outcome counts (admission)
         self.last_report: list[tuple] = []
         self._cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._cm.__enter__()
@@ -86,15 +98,17 @@ class Feeder:
         self.portal.call(tick)
 
     async def _tick(self) -> None:
-        report = []
+        report, want = [], {}
         for t in self.cfg.tasks:
             stream = self.keys.tasks(t.name)
             backlog, length, pending, lag = await self._backlog(stream)
             report.append((self.keys.short(stream), length, pending, lag))
-            missing = self.target[t.name] - backlog
-            if missing > 0:
-                rows = self._rows(t, -(-missing // t.group_size))
-                await self._enqueue(t, rows)
+            want[t.name] = max(0, -(-(self.target[t.name] - backlog) // t.group_size))
+        budgets = await self._budgets()
+        allotted = allot(self.cfg.tasks, want, budgets, self.enqueued)
+        for t in self.cfg.tasks:
+            if allotted[t.name]:
+                await self._enqueue(t, self._rows(t, allotted[t.name]))
         for m in self.cfg.models:
             await self._watch(m.name)
             report.append((self.keys.short(self.keys.traj(m.name)), await self.r.xlen(self.keys.traj(m.name)), "", ""))
@@ -113,9 +127,11 @@ class Feeder:
         from jet.config import _is_path
 
         if _is_path(t.dataset):
-            from jet.enqueue import read_jsonl
+            from jet.rows import read
 
-            rows = list(read_jsonl(t.dataset))
+            if t.name not in self.file_rows:  # read (and validated) once: a parquet or Hub dataset is no tail
+                self.file_rows[t.name] = read(t.dataset)
+            rows = self.file_rows[t.name]
             if not rows:
                 return []
             start = self.file_pos[t.name]
@@ -132,7 +148,48 @@ class Feeder:
 
         tasks: list[Task] = tasks_for(t.name, rows, t.group_size)
         maxlen = self.cfg.queues.maxlen.get("tasks", 100_000)
-        self.enqueued[t.name] += await enqueue(self.url, self.cfg.run, t.name, tasks, maxlen)
+        sent = await enqueue(self.url, self.cfg.run, t.name, tasks, maxlen)
+        self.enqueued[t.name] += sent
+        if self._admitted(t.model):
+            await self.r.hincrby(self.keys.rollout(t.model), "admitted", sent)
+
+    # -- admission --------------------------------------------------------------
+
+    def _admitted(self, model: str) -> bool:
+        """Whether `model`'s episodes are admitted against its trainer's progress."""
+        m = self.cfg.model(model)
+        return m.trainable and self.cfg.trainer_of(model).admission == "staleness"
+
+    def window(self, model: str) -> int:
+        """Trajectories of `model` that may be admitted and not yet decided: (max_staleness + 1) batches."""
+        tc = self.cfg.trainer_of(model)
+        size = max(t.group_size for t in self.cfg.tasks if t.model == model)
+        return (tc.max_staleness + 1) * tc.batch_groups * size
+
+    async def flow(self, model: str) -> tuple[int, dict[str, int]]:
+        """(trajectories admitted, the trainer's outcome counts) of `model`, from `Keys.rollout`."""
+        import orjson
+
+        raw = await self.r.hgetall(self.keys.rollout(model))
+        admitted = int(raw.get(b"admitted", 0))
+        try:
+            counts = orjson.loads(raw.get(b"counts", b"{}"))
+        except orjson.JSONDecodeError:
+            counts = {}
+        return admitted, counts if isinstance(counts, dict) else {}
+
+    async def _budgets(self) -> dict[str, int]:
+        """Trajectories each admitted model may still take now (models not admitted are absent)."""
+        out = {}
+        for model in {t.model for t in self.cfg.tasks if self._admitted(t.model)}:
+            admitted, counts = await self.flow(model)
+            done = decided(counts)
+            if admitted < done:  # a trainer resumed on a fresh server: start the window from its count
+                await self.r.hset(self.keys.rollout(model), "admitted", done)
+                admitted = done
+            out[model] = max(0, self.window(model) - (admitted - done))
+            self.outcomes[model] = counts
+        return out
 
     # -- watching ---------------------------------------------------------------
 
@@ -159,8 +216,40 @@ class Feeder:
     def summary(self) -> str:
         recent = self.rewards[-64:]
         mean = f"{sum(recent) / len(recent):.3f}" if recent else "-"
+        trained = ""
+        for model, c in sorted(self.outcomes.items()):
+            dropped = decided(c) - c.get("trained", 0) - c.get("stale", 0)  # the other final outcomes
+            trained += f"; {model}: trained {c.get('trained', 0)}, stale {c.get('stale', 0)}, dropped {dropped}"
         return (f"enqueued {sum(self.enqueued.values())} tasks; trajectories {self.trajectories} "
-                f"({self.failed} failed); reward mean (last {len(recent)}) {mean}")
+                f"({self.failed} failed); reward mean (last {len(recent)}) {mean}{trained}")
+
+
+# Trainer outcomes that end an admitted trajectory (`jet.trainer.groups.OUTCOMES` and `poison`): a retried
+# attempt is followed by another, and duplicates and late copies were never admitted on their own.
+FINAL = ("trained", "failed", "stale", "small_group", "malformed", "poison")
+
+
+def decided(counts: dict[str, int]) -> int:
+    """Admitted trajectories the trainer is done with, from its outcome counts."""
+    return sum(int(counts.get(k, 0)) for k in FINAL)
+
+
+def allot(tasks, want: dict[str, int], budgets: dict[str, int], enqueued: dict[str, int]) -> dict[str, int]:
+    """Rows to enqueue per task: at most `want`, within each admitted model's budget (trajectories;
+    models without one are unlimited), a row at a time to the task furthest below its weight's share."""
+    out = {t.name: 0 for t in tasks}
+    left = dict(budgets)
+    share = {t.name: enqueued.get(t.name, 0) for t in tasks}
+    while True:
+        open_ = [t for t in tasks if out[t.name] < want.get(t.name, 0)
+                 and left.get(t.model, t.group_size) >= t.group_size]
+        if not open_:
+            return out
+        t = min(open_, key=lambda t: (share[t.name] / t.weight if t.weight > 0 else float("inf"), t.name))
+        out[t.name] += 1
+        share[t.name] += t.group_size
+        if t.model in left:
+            left[t.model] -= t.group_size
 
 
 @click.command("feed")

@@ -61,6 +61,12 @@ class Keys:
         (it never reads them again, also after a restart)."""
         return f"{self.prefix}weights-rejected:{check_name('model', model)}"
 
+    def rollout(self, model: str) -> str:
+        """Hash: what entered and left `model`'s training: `admitted` (trajectories the feeder let in,
+        HINCRBY) and `counts` (the trainer's outcome counts as JSON, rewritten after every step).
+        The feeder's staleness-aware admission reads both (`jet.feed`)."""
+        return f"{self.prefix}rollout:{check_name('model', model)}"
+
     def calls(self, episode_id: str, tag: str) -> str:
         """Stream of the LLM calls a `jet gateway` answered for one run (`tag`) of an episode;
         the env worker creates it when the episode starts and reads and deletes it at its end."""

@@ -22,12 +22,26 @@ Delivery choices:
   would recover nothing. Read entries are deleted (XDEL), and the stream has a
   TTL renewed while the client lives, so a dead client's stream expires (and
   inference workers skip requests whose reply stream is gone).
-- Timeout and retry: each attempt carries a deadline (now + timeout); with no
-  reply by then the request is sent again with the SAME request id. The
-  inference side's idempotency marker makes a duplicate harmless: it is acked,
-  not regenerated, once one attempt committed; a late reply to an earlier
-  attempt resolves the call just as well. A second reply for a resolved
-  request is ignored.
+- One request, one copy: a call sends its GenRequest once, with a deadline
+  (now + its timeout, `models[].request_timeout_s`, or the session's
+  `deadline`, an episode's end, when sooner), and waits for the reply
+  until then, however long the request queues or decodes. The delivery rules
+  of jet.queues make a re-send useless there and harmful under load: an entry
+  no worker read yet stays in `gen:<model>` (never trimmed), one a worker holds
+  is renewed while it decodes, and one whose worker died is reclaimed by a
+  reaper after its lease and served elsewhere; a copy sent meanwhile would be
+  decoded a second time by a worker that reads it while the first is still
+  queued or decoding. So the only re-send is for a request that can no longer
+  be answered: the reply stream is gone (the server lost its data, or the
+  stream expired) and the reader made it again; then every waiting call sends
+  its request again, same id and deadline (the reader checks on each idle pass:
+  one EXPIRE per block_ms when no reply comes, nothing per request). A request
+  dead-lettered after `max_deliveries` (it crashed the workers) gets no reply:
+  sending it again would only crash them again. A worker that reads a request after
+  its deadline drops it undecoded; one that reads a copy of a request it is
+  decoding joins the first (jet.workers.infer), and the idempotency marker
+  acks any later copy without a reply. A second reply for a resolved request
+  is ignored. No reply by the deadline raises GenerationTimeout.
 
 What it is not: a tokenizer cache for the gateway's HTTP layer, or a sampler.
 """
@@ -79,8 +93,10 @@ def client_id() -> str:
 class Tokenizers:
     """Model name -> tokenizer, loaded from the model's directory on first use.
 
-    Loading holds a lock: transformers' lazy first import is not thread-safe
-    (concurrent first imports from worker threads raised ImportError)."""
+    The tokenizer is `jet.tokenizer`'s lean one (the `tokenizers` library and a sandboxed Jinja2
+    chat template: no torch or transformers in the process) whenever the folder has a
+    `tokenizer.json`. Loading holds a lock: a lazy first import from several worker threads at
+    once is not thread-safe (transformers' raised ImportError)."""
 
     def __init__(self, paths: Mapping[str, str]):
         self.paths = dict(paths)
@@ -99,33 +115,39 @@ class Tokenizers:
             raise ValueError(f"unknown model {model!r}; configured: {known}")
         with self._lock:
             if model not in self._loaded:
-                from transformers import AutoTokenizer
+                from jet.sources import resolve_model
+                from jet.tokenizer import load_tokenizer
 
-                self._loaded[model] = AutoTokenizer.from_pretrained(self.paths[model])
+                path = resolve_model(self.paths[model], f"models[{model}].path")
+                self._loaded[model] = load_tokenizer(path)
         return self._loaded[model]
 
 
 @dataclass(slots=True)
 class _Waiter:
-    event: anyio.Event = field(default_factory=anyio.Event)
+    event: anyio.Event = field(default_factory=anyio.Event)  # set by a reply, or by a lost reply stream
     result: GenResult | None = None
 
 
 class LLMClient:
-    """Sends generation requests and routes their replies; one per process."""
+    """Sends generation requests and routes their replies; one per process.
 
-    def __init__(self, url: str, keys: Keys, tokenizers: Tokenizers, *, timeout_s: float = 120.0,
-                 retries: int = 2, block_ms: int = 1000, gen_maxlen: int = 10_000, cid: str | None = None,
-                 max_connections: int | None = None):
+    `timeout_s`: a call's longest wait (s) for models not in `timeouts` (model name -> s)."""
+
+    def __init__(self, url: str, keys: Keys, tokenizers: Tokenizers, *, timeout_s: float = 300.0,
+                 timeouts: Mapping[str, float] | None = None, block_ms: int = 1000, gen_maxlen: int = 10_000,
+                 cid: str | None = None, max_connections: int | None = None):
         self.url, self.keys, self.tokenizers = url, keys, tokenizers
         self.max_connections = max_connections  # Redis pool size (None: redis-py's default of 100)
-        self.timeout_s, self.retries, self.block_ms, self.gen_maxlen = timeout_s, retries, block_ms, gen_maxlen
+        self.timeout_s, self.timeouts = timeout_s, dict(timeouts or {})
+        self.block_ms, self.gen_maxlen = block_ms, gen_maxlen
         self.id = cid or client_id()
         self.reply_to = keys.reply(self.id)
         self.sessions: dict[str, Session] = {}  # episode id -> live session (a gateway looks them up here)
         self._waiting: dict[str, _Waiter] = {}
         self._producers: dict[str, Producer] = {}
         self.r = self.rb = None
+        self._http: Any = None  # shared httpx client of OpenAI-SDK episodes, made on first use
 
     # -- lifecycle (use `open_client`) -----------------------------------------
 
@@ -138,17 +160,39 @@ class LLMClient:
         self._last = "0-0"
         await self._ensure_stream()
 
-    async def _ensure_stream(self) -> None:
-        """(Re)create the reply stream with its TTL: workers skip requests whose reply stream is gone."""
+    async def _ensure_stream(self) -> bool:
+        """(Re)create the reply stream with its TTL: workers skip requests whose reply stream is gone.
+        True if it had to be made (again)."""
         with translated(self.url):
             if await self.r.expire(self.reply_to, REPLY_TTL_S):
-                return
+                return False
             entry = await self.r.xadd(self.reply_to, codec.encode("hello", {"client": self.id}))
             await self.r.xdel(self.reply_to, entry)
             await self.r.expire(self.reply_to, REPLY_TTL_S)
         self._last = max(self._last, entry.decode(), key=_entry_order)
+        return True
+
+    def http(self) -> Any:
+        """The process's shared `httpx.AsyncClient` for OpenAI-SDK clients (`Session.openai_client`)."""
+        if self._http is None:
+            import openai
+
+            class Shared(openai.DefaultAsyncHttpxClient):
+                """The SDK's default transport, which an episode's `async with` does not close."""
+
+                async def aclose(self) -> None:
+                    pass
+
+                async def really_close(self) -> None:
+                    await super().aclose()
+
+            self._http = Shared()
+        return self._http
 
     async def _close(self) -> None:
+        if self._http is not None:
+            with contextlib.suppress(Exception):
+                await self._http.really_close()
         with contextlib.suppress(Exception):
             await self.r.delete(self.reply_to)
         for c in (self.r, self.rb):
@@ -156,7 +200,9 @@ class LLMClient:
                 await c.aclose()
 
     async def _read_replies(self) -> None:
-        """The one reader: dispatch replies by request id, keep the stream's TTL fresh."""
+        """The one reader: dispatch replies by request id, keep the stream's TTL fresh. An idle pass
+        (no reply within block_ms) checks that the stream still exists: one that is gone lost the
+        replies written to it (and the server perhaps the requests), so the waiting calls send again."""
         renewed = time.monotonic()
         while True:
             try:
@@ -166,8 +212,13 @@ class LLMClient:
                     if entries:
                         self._last = entries[-1][0]
                         await self.r.xdel(self.reply_to, *[i for i, _ in entries])
-                if time.monotonic() - renewed > REPLY_TTL_S / 10:
-                    await self._ensure_stream()  # also after a server restart that lost it
+                if not entries or time.monotonic() - renewed > REPLY_TTL_S / 10:
+                    if await self._ensure_stream() and self._waiting:
+                        log.warning("reply stream %s was gone (server restarted without its data?): "
+                                    "sending the %d requests waiting for it again",
+                                    self.keys.short(self.reply_to), len(self._waiting))
+                        for waiter in self._waiting.values():
+                            waiter.event.set()  # no result: the call sends its request again
                     renewed = time.monotonic()
             except ConnectError as e:
                 log.warning("reply reader: %s; retrying", e)
@@ -183,7 +234,7 @@ class LLMClient:
             log.warning("ignoring a malformed reply on %s: %s", self.keys.short(self.reply_to), e)
             return
         waiter = self._waiting.get(result.request_id)
-        if waiter is None or waiter.event.is_set():
+        if waiter is None or waiter.result is not None:
             return  # a duplicate, or a call that gave up
         waiter.result = result
         waiter.event.set()
@@ -191,29 +242,35 @@ class LLMClient:
     # -- requests -------------------------------------------------------------
 
     async def generate(self, request: GenRequest, timeout_s: float | None = None) -> GenResult:
-        """Send `request` (its reply_to is set here) and wait for the result, retrying on timeout.
+        """Send `request` (its reply_to and deadline are set here) and wait for its result, at most
+        `timeout_s` (default: the model's timeout) or until `request.deadline` when that is sooner.
+        Sent again only if the reply stream was lost.
 
         Raises GenerationError when the worker answered with an error,
-        GenerationTimeout when no attempt was answered in time.
+        GenerationTimeout when no reply came in time.
         """
-        timeout = timeout_s or self.timeout_s
+        timeout = timeout_s or self.timeouts.get(request.model, self.timeout_s)
+        now = time.time()
+        if request.deadline:  # the caller's own end (an episode's timeout) comes first when sooner
+            timeout = max(0.0, min(timeout, request.deadline - now))
+        sent = replace(request, reply_to=self.reply_to, deadline=now + timeout).to_fields()
         waiter = self._waiting.setdefault(request.msg_id, _Waiter())
         try:
-            for attempt in range(self.retries + 1):
-                sent = replace(request, reply_to=self.reply_to, deadline=time.time() + timeout)
-                with anyio.move_on_after(timeout):
-                    await self._producer(request.model).send([sent.to_fields()])
+            with anyio.move_on_after(timeout):
+                await self._producer(request.model).send([sent])
+                while True:
                     await waiter.event.wait()
-                if waiter.result is not None:
-                    break
-                log.warning("no reply to %s from gen:%s in %.0fs (attempt %d of %d)", request.msg_id,
-                            request.model, timeout, attempt + 1, self.retries + 1)
-            else:
-                raise GenerationTimeout(f"no reply from an inference worker of {request.model!r} after "
-                                        f"{self.retries + 1} attempts of {timeout:.0f}s (is one running?)")
+                    if waiter.result is not None:
+                        break
+                    waiter.event = anyio.Event()  # the reply stream was lost: send the same request again
+                    await self._producer(request.model).send([sent])
         finally:
             self._waiting.pop(request.msg_id, None)
         result = waiter.result
+        if result is None:
+            raise GenerationTimeout(f"no reply to {request.msg_id} from gen:{request.model} in {timeout:.0f}s "
+                                    f"(is an inference worker running? models[].request_timeout_s is the "
+                                    f"longest wait, queueing included)")
         if result.finish_reason == "error":
             raise GenerationError(f"{request.model}: {result.error}")
         return result
@@ -281,6 +338,7 @@ class Session:
         self.openai_base_url: str | None = None  # e.g. http://127.0.0.1:PORT/v1
         self.openai_api_key: str | None = None  # the key of (self.model, self.agent)
         self.mint_key: Callable[[str, str], str] | None = None  # (model, agent) -> a key of this episode
+        self.deadline = 0.0  # unix time the episode ends (set by the env worker; 0 = none): calls wait no longer
         self._conversations: dict[tuple[str, str], Conversations] = {}
 
     async def chat(self, messages: Sequence[Message], *, model: str | None = None,
@@ -340,11 +398,19 @@ class Session:
 
     def openai_client(self, *, model: str | None = None, agent: str | None = None, sync: bool = False,
                       **kwargs: Any) -> Any:
-        """An `openai.AsyncOpenAI` (`OpenAI` with sync=True) whose calls are recorded in this episode."""
+        """An `openai.AsyncOpenAI` (`OpenAI` with sync=True) whose calls are recorded in this episode.
+
+        The async client sends through the process's one shared HTTP transport (`LLMClient.http`)
+        unless `http_client` is given: a client of its own builds a TLS context with the CA bundle
+        loaded (~0.9 MB each), which with one client an episode is most of an env worker's memory.
+        Closing the returned client (`async with`) leaves the shared transport open."""
         import openai
 
         base_url, api_key = self.openai_credentials(model=model, agent=agent)
-        return (openai.OpenAI if sync else openai.AsyncOpenAI)(base_url=base_url, api_key=api_key, **kwargs)
+        if sync:
+            return openai.OpenAI(base_url=base_url, api_key=api_key, **kwargs)
+        kwargs.setdefault("http_client", self.client.http())
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)
 
     def conversation(self, model: str, agent: str) -> Conversations:
         """The kept turns of `agent` on `model` (blocking on first use: loads the tokenizer)."""
@@ -361,7 +427,7 @@ class Session:
         if model not in self.client.tokenizers:
             self.client.tokenizers.get(model)  # raises, naming the configured models
         request = GenRequest(reply_to="", model=model, prompt_ids=prompt_ids, episode_id=self.episode_id,
-                             agent=agent, **sampling)
+                             agent=agent, deadline=self.deadline, **sampling)
         result = await self.client.generate(request, timeout_s)
         call = Call(prompt_ids, result.token_ids, result.logprobs, result.version, model, agent,
                     result.finish_reason, temperature=request.temperature, top_p=request.top_p)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import click
 
+from jet.convert import cli as convert_cli
 from jet.errors import ConfigError
 
 # Qwen2 / Llama-3 style split: words, single digits, punctuation runs, spaces.
@@ -320,3 +321,6 @@ def init(out_dir, arch, template, hidden, layers, heads, kv_heads, vocab_size, m
         layers=layers, heads=heads, kv_heads=kv_heads, max_position=max_position, seed=seed,
     )
     click.echo(str(path))
+
+
+cli.add_command(convert_cli)  # jet model convert FILE.gguf --out DIR

@@ -52,6 +52,16 @@ READY_TIMEOUT_S = 120.0  # on a roll, longest wait for the new generation before
 LOG_TAIL_LINES = 15
 
 
+def python_module(module: str, python: str | None = None) -> list[str]:
+    """The command line that runs `module` as a role: `python -P -m module` (this interpreter by default).
+
+    `-P` (Python 3.11+, which jet requires) keeps the current folder off `sys.path`, so a folder
+    named `jet/` where a role starts (a checkout, a project of the same name) cannot shadow the
+    installed package. Agent code a task finds through its folder is put on `sys.path` by the env
+    worker itself (`tasks[].runtime.cwd`)."""
+    return [python or sys.executable, "-P", "-m", module]
+
+
 @dataclass(frozen=True)
 class Child:
     """One supervised process: a name (for messages), its command line, where it runs."""

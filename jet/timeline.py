@@ -28,7 +28,7 @@ PPO ratio against it is meaningless), and training it under temperature 1
 would push the policy towards its own argmax as if it had been sampled.
 
 What it is not: no tokenisation, no chat templates, no torch. Prompts must be
-built token-in-token-out (DESIGN.md, "Timelines"); this module only compares
+built token-in-token-out (docs/design.md, "Timelines"); this module only compares
 token ids, so it cannot be fooled by text that re-tokenises differently.
 
 Invariants (tests/test_timeline_props.py checks them on random episodes):

@@ -31,7 +31,7 @@ import click
 from jet.cliopts import config_options, load_config
 from jet.config import JetConfig
 from jet.errors import ConfigError, JetError
-from jet.supervisor import Child, Supervisor
+from jet.supervisor import Child, Supervisor, python_module
 
 DEFAULT_MODEL_HOME = ".jet/models"  # models under this folder are built on demand
 
@@ -43,21 +43,56 @@ def has_trainer() -> bool:
 def roles_for(cfg: JetConfig, config_path: str, overrides: tuple[str, ...], env_n: int,
               log_dir: Path | None = None) -> list[Child]:
     """The commands `jet up` runs, one Child each (logs in `log_dir/<name>.log`)."""
-    py = [sys.executable, "-m"]
     sets = [x for o in overrides for x in ("--set", o)]
-    specs = [(f"infer-{m.name}", py + ["jet.workers.infer", "--config", config_path, "--model", m.name] + sets, False)
-             for m in cfg.models]
-    specs.append(("env", py + ["jet.workers.env", "--config", config_path, "-n", str(env_n)] + sets, False))
+    role = lambda module, *args: python_module(module) + ["--config", config_path, *args] + sets  # noqa: E731
+    specs = [(f"infer-{m.name}", role("jet.workers.infer", "--model", m.name), False) for m in cfg.models]
+    specs.append(("env", role("jet.workers.env", "-n", str(env_n)), False))
     if has_trainer():
-        specs += [(f"train-{m.name}", py + ["jet.trainer.cli", "--config", config_path, "--model", m.name] + sets, True)
+        specs += [(f"train-{m.name}", role("jet.trainer.cli", "--model", m.name), True)
                   for m in cfg.models if m.trainable]
-    return [Child(name, argv, log=log_dir / f"{name}.log" if log_dir else None, required=req)
+    threads = thread_shares(cfg, has_trainer())
+    return [Child(name, argv, log=log_dir / f"{name}.log" if log_dir else None, required=req,
+                  env=_thread_env(threads[name]) if name in threads else {})
             for name, argv, req in specs]
 
 
-def ensure_models(cfg: JetConfig) -> list[str]:
-    """Build missing tiny models that live under .jet/models; other missing paths are errors naming the key."""
-    from jet.config import check_models
+def cpu_count() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_shares(cfg: JetConfig, trainers: bool = True, cores: int | None = None) -> dict[str, int]:
+    """Torch threads of each CPU role `jet up` starts: its configured `threads`, else an equal share of
+    the cores among the CPU inference workers and trainers (at least 1). Roles on a GPU are not listed.
+
+    Why: each torch process otherwise takes a thread per core, so on one machine the trainer and the
+    inference worker oversubscribe every core and both slow down (see docs/trainer.md, "CPU threads").
+    $OMP_NUM_THREADS set for `jet up` wins over the share (a study runs each run on one thread)."""
+    cores = cores or cpu_count()
+    wanted = {f"infer-{m.name}": m.threads for m in cfg.models if m.device == "cpu"}
+    if trainers:
+        wanted |= {f"train-{m.name}": cfg.trainer_of(m.name).threads for m in cfg.models
+                   if m.trainable and cfg.trainer_of(m.name).device == "cpu"}
+    if os.environ.get("OMP_NUM_THREADS"):
+        return {name: n for name, n in wanted.items() if n}
+    free = [name for name, n in wanted.items() if not n]
+    left = max(cores - sum(n for n in wanted.values() if n), len(free))
+    return {name: n or max(1, left // len(free)) for name, n in wanted.items()}
+
+
+def _thread_env(n: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+
+
+def ensure_models(cfg: JetConfig) -> tuple[list[str], JetConfig, tuple[str, ...]]:
+    """Build missing tiny models that live under .jet/models, resolve Hub ids; other missing paths are
+    errors naming the key. Returns the folders built, the config with every model at its local folder,
+    and the `--set` overrides that pin each Hub id to the commit it resolved to, so every role loads
+    the same weights even when the branch moves while they start."""
+    from jet.config import check_models, pins
 
     built = []
     for m in cfg.models:
@@ -66,8 +101,8 @@ def ensure_models(cfg: JetConfig) -> list[str]:
 
             init_model(m.path, seed=cfg.trainer_of(m.name).seed)  # a model's own trainer.seed: teams differ
             built.append(m.path)
-    check_models(cfg)
-    return built
+    resolved = check_models(cfg)
+    return built, resolved, pins(cfg, resolved)
 
 
 
@@ -98,11 +133,14 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
             click.echo(f"{r.name}: {' '.join(r.argv)}")
         return
     try:
-        for path in ensure_models(cfg):
-            click.echo(f"built tiny model at {path}", err=True)
+        built, resolved, pins = ensure_models(cfg)
     except ConfigError as e:
         raise click.ClickException(f"{config_path}: {e}") from None
-    write_resolved(cfg, run_path)
+    for path in built:
+        click.echo(f"built tiny model at {path}", err=True)
+    if pins:
+        roles = roles_for(cfg, config_path, overrides + pins, env_n, run_path / "logs")
+    write_resolved(resolved, run_path)
     server = None
     if not redis_url:
         from jet.queues.server import EmbeddedServer

@@ -154,9 +154,9 @@ class GenRequest:
 
     Sampling follows `jet.workers.hf_backend`: temperature 0 is greedy, top_p
     in (0, 1], max_tokens is clipped to the model's context, the model's EOS ids
-    always stop. `deadline` (unix seconds, 0 = none) is when the client stops
-    waiting for this attempt: a worker that reaches it later skips the request
-    without marking it done, so the client's retry (same msg_id) is still served.
+    always stop. `deadline` (unix seconds, 0 = none) is when the caller stops
+    waiting: a worker that reaches the request later drops it undecoded, without
+    marking it done, so a copy sent again under the same msg_id is still served.
     """
 
     KIND = "gen"

@@ -3,7 +3,7 @@
 Every Redis client in Jet is made here, with pinned behaviour (RESP2 replies,
 bytes not str, explicit socket timeouts) so reply shapes and timeouts never
 depend on redis-py defaults. Blocking reads get their own client whose socket
-timeout exceeds BLOCK (DESIGN.md delivery rule 7). Redis errors become
+timeout exceeds BLOCK (docs/design.md, rule 7). Redis errors become
 `jet.errors.QueueError`s here and nowhere else.
 
 URLs: `redis://` and `rediss://` (TLS) name one server; `redis+cluster://` and

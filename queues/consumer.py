@@ -1,19 +1,19 @@
-"""A consumer of one stream for one consumer group: the delivery rules of DESIGN.md.
+"""A consumer of one stream for one consumer group: the delivery rules of docs/design.md.
 
-What it guarantees (each rule has a test in tests/queues/):
+What it guarantees (each rule has a test in tests/queues/test_delivery_rules.py):
 - its own pending entries are re-read before new ones (counted as a delivery,
   unless `Settings.count_rereads` is off: the trainer's restarts never count
-  against the trajectories it holds);
+  against the trajectories it holds) (rule 2);
 - entries that fail to decode, or are past `max_deliveries`, go to `dead` with a
-  reason and are acked: poison never loops;
-- a redelivered message whose idempotency marker exists is acked, not redone;
+  reason and are acked: poison never loops (rules 3 and 8);
+- a redelivered message whose idempotency marker exists is acked, not redone (rule 1);
 - `settle` finishes inputs by their outcome (`Commit`, `Dead`, `Drop`) in ONE
   Lua call (`scripts.SETTLE`): ack, marker, outputs, dead letters and their
   counters together, so a message's effects land exactly once even when it was
   processed twice; an output stream at its maxlen makes the call stop before
-  that input (backpressure, atomically: a stream never overshoots its bound);
-- leases of in-flight entries are renewed; `release` makes them reclaimable at once;
-- reads that block use their own connection, with a socket timeout above BLOCK.
+  that input (backpressure, atomically: a stream never overshoots its bound) (rules 1 and 4);
+- leases of in-flight entries are renewed; `release` makes them reclaimable at once (rule 2);
+- reads that block use their own connection, with a socket timeout above BLOCK (rule 7).
 What it is not: a loop. `jet.queues.runtime.Runtime` runs the lease keeper, the
 reaper (jet.queues.reaper, which feeds what it claims into `fetch`),
 reconnects and the serving modes around it.
@@ -52,9 +52,10 @@ def consumer_name(role: str, slot: int | str = 0, host: str | None = None) -> st
 def default_marker_ttl(lease_ms: int, max_deliveries: int) -> int:
     """Seconds an idempotency marker must live: while a copy of the message can still arrive.
 
-    A copy comes back through reclaims (at most `max_deliveries` leases) or a client's
-    retries under the same id (jet.llm: attempts x timeout, about 3 leases); twice the
-    longer of the two, and at least 5 minutes. Memory: ~90 B per marker, so
+    A copy comes back through reclaims (at most `max_deliveries` leases) or a client that
+    sends a request again under the same id (jet.llm: only after losing its reply stream,
+    which the server's data loss mostly takes the markers with); twice the reclaims'
+    span, and at least 5 minutes. Memory: ~90 B per marker, so
     rate x TTL x 90 B (1,000 msgs/s at the default 30 s lease: 360 s -> ~32 MB)."""
     return max(300, 2 * (max_deliveries + 1) * lease_ms // 1000)
 

@@ -3,7 +3,7 @@
 A stream is bounded by `maxlen`, but `PRODUCE` never drops: it adds what fits
 and the producer waits (trimming consumed entries safely first) for the rest.
 `safe_trim` never removes an entry still pending in, or not yet read by, any
-group (DESIGN.md delivery rule 4) except the best-effort ones
+group (docs/design.md, rule 4) except the best-effort ones
 (`jet.keys.BEST_EFFORT_GROUPS`: shadow env workers, whose episodes are never
 trained). With `dedup`, each message's id gets a
 marker in the same Lua call, so a retried batch cannot add an entry twice; the

@@ -11,7 +11,9 @@ reads them back for `jet dash`: a worker whose hash expired is reported as gone
 What it is not: membership for correctness. Nothing in delivery depends on
 it (leases and the reaper do that); a worker that never beats still works, it
 is only missing from the dashboard's worker table (which then falls back to
-consumer names).
+consumer names). One reader errs on the safe side with it: the trainer's
+retention of published weights keeps every version at or past the oldest one a
+live inference worker reports (`served`, `jet.trainer.weights.prune_weights`).
 
 Invariants: the hash and the index change together (one MULTI); values are
 strings (numbers and dicts as JSON), so any Redis client can read them.
@@ -97,3 +99,13 @@ async def workers(r: aioredis.Redis, keys: Keys, *, url: str = "") -> list[dict]
         out.append({**row, "name": name.decode() if isinstance(name, bytes) else name,
                     "alive": bool(rec), "last_beat": last})
     return sorted(out, key=lambda w: w["name"])
+
+
+async def served(r: aioredis.Redis, keys: Keys, model: str, *, url: str = "") -> dict[str, int]:
+    """{worker name: weight version it serves} of every live inference worker of `model`."""
+    out = {}
+    for w in await workers(r, keys, url=url):
+        version = w.get("weight_version")
+        if w["alive"] and w.get("role") == "infer" and str(w.get("model")) == model and isinstance(version, int):
+            out[w["name"]] = version
+    return out

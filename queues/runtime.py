@@ -202,14 +202,20 @@ class Runtime:
     async def serve_each(self, handler: EachHandler, stop: anyio.Event, *, concurrency: int,
                          drain_timeout_s: float = 30.0) -> None:
         """Run `handler` on up to `concurrency` messages at once until `stop`, then drain: running
-        calls get `drain_timeout_s` to finish (their commits included); the rest are released."""
+        calls get `drain_timeout_s` to finish (their commits included); the rest are released, and so
+        is a call that finishes after the deadline anyway (in a shielded step): its outcome is dropped."""
         send, recv = anyio.create_memory_object_stream[tuple[Delivery, Outcome]](math.inf)
         running: set[str] = set()
         freed = anyio.Event()
 
         async def one(d: Delivery) -> None:
             try:
-                send.send_nowait((d, await _outcome_of(handler, d)))
+                outcome = await _outcome_of(handler, d)
+                # A call that finishes in a shielded step after the drain deadline ended the committer
+                # finds the stream closed: its outcome is not committed, and its entry, still in
+                # flight, is released below (redelivered: nothing acknowledged is lost).
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    send.send_nowait((d, outcome))
             finally:
                 running.discard(d.entry_id)
                 freed.set()

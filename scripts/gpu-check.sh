@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check, one command on a bare GPU machine with no network (issue 12, item 6):
+# The device check, one command on a bare GPU machine with no network:
 #
 #   scripts/gpu-check.sh [WHEELS_DIR] [-- jet bench gpu options]
 #

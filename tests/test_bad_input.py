@@ -1,4 +1,4 @@
-"""Bad input given to the CLI from outside (issue 11, item 6), run as real subprocesses against a real server.
+"""Bad input given to the CLI from outside, run as real subprocesses against a real server.
 
 `jet enqueue` of a file validates every row before writing: a bad row anywhere is
 one error naming the file, the line and why, with the stream left untouched; a good
@@ -23,11 +23,12 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import Task
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py: the process guard)
 JET = [sys.executable, "-m", "jet.cli"]
 
 
-def run_jet(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("JET_REDIS_URL", "JET_CONFIG")}
+def run_jet(*args: str, cwd: Path | None = None, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("JET_REDIS_URL", "JET_CONFIG")} | extra_env
     return subprocess.run(JET + list(args), capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
@@ -131,15 +132,34 @@ ROLES = {
 }
 
 
-@pytest.mark.parametrize("role", sorted(ROLES))
-def test_every_role_names_the_missing_model_path(tmp_path, role):
+def run_role_on_model(tmp_path, role: str, path: str, **env):
+    """(config, result) of `role` started on a config whose one model is at `path` (no server reachable)."""
     config = tmp_path / "exp.yaml"
     config.write_text(yaml.safe_dump({
-        "models": [{"name": "m", "path": "models/m"}],
+        "models": [{"name": "m", "path": path}],
         "tasks": [{"name": "guess", "workflow": "jet.tasks.guess:workflow", "dataset": "guess"}]}))
-    res = run_jet(*ROLES[role], "--config", str(config), "--redis-url", "redis://127.0.0.1:1/0", cwd=tmp_path)
+    return config, run_jet(*ROLES[role], "--config", str(config), "--redis-url", "redis://127.0.0.1:1/0",
+                           cwd=tmp_path, **env)
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_every_role_names_the_missing_model_path(tmp_path, role):
+    config, res = run_role_on_model(tmp_path, role, "./models/m")
     assert res.returncode == 1, (res.stdout, res.stderr)
     assert res.stderr.strip().splitlines() == [
         f"Error: {config}: models[0].path: no model directory at '{tmp_path / 'models' / 'm'}' (no such directory; "
-        f"build a tiny one with `jet model init --out {tmp_path / 'models' / 'm'}`)"]
+        f"build a tiny one with `jet model init --out {tmp_path / 'models' / 'm'}`, or name a Hub model as "
+        "owner/name[@revision])"]
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_every_role_names_a_hub_model_missing_offline(tmp_path, role):
+    config, res = run_role_on_model(tmp_path, role, "org/absent@v1", HF_HOME=str(tmp_path / "hf"),
+                                    HF_HUB_OFFLINE="1")
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert res.stderr.strip().splitlines() == [
+        f"Error: {config}: models[0].path: Hub model 'org/absent' (revision v1) is not in {tmp_path / 'hf' / 'hub'} "
+        "and HF_HUB_OFFLINE is set: download it once online (`hf download org/absent`, same HF_HOME), or give a "
+        "local folder"]
     assert not (tmp_path / "runs").exists()  # nothing started

@@ -17,6 +17,7 @@ def run(*args: str) -> dict:
     return json.loads(result.output[result.output.index("{"):])
 
 
+@pytest.mark.slow
 def test_bench_staleness_quick_is_deterministic_and_pairs_by_seed():
     report = run("--seeds", "2", "--staleness", "2")
     rows = {(r["objective"], r["staleness"]): r for r in report["rows"]}

@@ -24,6 +24,7 @@ def jet(*args, env=None):
     return res
 
 
+@pytest.mark.slow
 def test_help_lists_commands_and_imports_no_torch():
     code = ("import sys; from jet.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -37,6 +38,7 @@ def test_help_lists_commands_and_imports_no_torch():
     assert "HEAVY []" in out
 
 
+@pytest.mark.slow
 def test_server_subprocess_prints_url_and_stops_cleanly(tmp_path):
     p = subprocess.Popen(JET + ["server", "--run-dir", str(tmp_path), "--port", "0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -149,6 +151,7 @@ def test_dlq_list_requeue_drop(redis_url, keys):
     assert jet("dlq", "drop", *base).exit_code == 2
 
 
+@pytest.mark.slow
 def test_unreachable_server_names_url_without_password():
     res = subprocess.run(JET + ["status", "--redis-url", "redis://:hunter2@127.0.0.1:1/0"],
                          capture_output=True, text=True)

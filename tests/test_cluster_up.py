@@ -11,14 +11,14 @@ import pytest
 
 from jet.keys import Keys
 
-from .test_fail_loudly import run_on_other_node, tiny, write_config  # noqa: F401 (tiny: a fixture)
+from .test_fail_loudly import run_on_other_node, write_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-def test_short_up_and_status_on_a_cluster(cluster, tiny, tmp_path):
+def test_short_up_and_status_on_a_cluster(cluster, tiny_model, tmp_path):
     run = run_on_other_node(cluster, prefix="upcl")
-    config = write_config(tmp_path, run, tiny)
+    config = write_config(tmp_path, run, tiny_model)
     env = {k: v for k, v in os.environ.items() if k != "JET_REDIS_URL"}
     res = subprocess.run([sys.executable, "-m", "jet.cli", "up", "--config", str(config), "--redis-url", cluster.url,
                           "--episodes", "8", "--no-live", "--run-dir", str(tmp_path / ".jet")],

@@ -261,7 +261,7 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
     (tmp_path / "conf").mkdir()
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")  # never against the folder jet runs in
-    path = write(tmp_path / "conf", yaml.safe_dump(minimal(tasks=[{
+    path = write(tmp_path / "conf", yaml.safe_dump(minimal(models=[{"name": "m", "path": "./models/m"}], tasks=[{
         "name": "t", "workflow": "a:b", "dataset": "data/rows.jsonl",
         "runtime": {"python": "../venv/bin/python", "cwd": "work"}}])))
     cfg = load_file(path)
@@ -397,7 +397,7 @@ def test_trainer_fields_of_the_trainer_issue():
     assert str(error(load, {"trainer": {"device": ""}})) == "trainer.device: must not be empty"
 
 
-# ---- multi-model teams and task cocktails (issue 6)
+# ---- multi-model teams and task cocktails (docs/swarm.md)
 
 
 def test_a_models_trainer_section_overrides_the_top_level_one():

@@ -35,14 +35,6 @@ ROLES = {  # the command of each role, before its --config
 PASSWORD = "right-horse-41"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from jet.models import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", vocab_size=512, hidden_size=32, layers=2,
-                      heads=4, kv_heads=2, max_position=256, seed=0)
-
-
 def run_on_other_node(cluster, prefix: str = "loud") -> str:
     """A run name whose hash slot is not served by node 0."""
     for i in range(1000):
@@ -81,8 +73,8 @@ def supervise(role: str, config: Path, url: str, log: Path, timeout: float = 180
 @pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.parametrize("role", list(ROLES))
-def test_every_role_stops_on_moved_from_a_plain_url_to_a_cluster_node(role, cluster, tiny, tmp_path):
-    config = write_config(tmp_path, run_on_other_node(cluster), tiny)
+def test_every_role_stops_on_moved_from_a_plain_url_to_a_cluster_node(role, cluster, tiny_model, tmp_path):
+    config = write_config(tmp_path, run_on_other_node(cluster), tiny_model)
     sup, code = supervise(role, config, cluster.node_url(0), tmp_path / f"{role}.log")
     assert code == EXIT_FATAL, sup.failure
     assert sup.procs[0].crashes == 0  # stopped at the first fatal exit, never restarted
@@ -93,11 +85,11 @@ def test_every_role_stops_on_moved_from_a_plain_url_to_a_cluster_node(role, clus
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", list(ROLES))
-def test_every_role_stops_on_a_wrong_password(role, tiny, tmp_path):
+def test_every_role_stops_on_a_wrong_password(role, tiny_model, tmp_path):
     from jet.queues.server import EmbeddedServer
 
     with EmbeddedServer(tmp_path / "srv", password=PASSWORD) as server:
-        config = write_config(tmp_path, "loudauth", tiny)
+        config = write_config(tmp_path, "loudauth", tiny_model)
         bad = server.url.replace(PASSWORD, "wrong-pony-7")
         sup, code = supervise(role, config, bad, tmp_path / f"{role}.log")
     assert code == EXIT_FATAL, sup.failure
@@ -115,19 +107,19 @@ def jet_up(tmp_path: Path, config: Path, url: str, timeout: float = 300) -> subp
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_up_with_a_plain_url_to_a_cluster_node_ends_with_the_moved_explanation(cluster, tiny, tmp_path):
-    res = jet_up(tmp_path, write_config(tmp_path, run_on_other_node(cluster), tiny), cluster.node_url(0))
+def test_up_with_a_plain_url_to_a_cluster_node_ends_with_the_moved_explanation(cluster, tiny_model, tmp_path):
+    res = jet_up(tmp_path, write_config(tmp_path, run_on_other_node(cluster), tiny_model), cluster.node_url(0))
     assert res.returncode != 0
     assert "MOVED" in res.stderr and "redis+cluster://" in res.stderr, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
 
 
 @pytest.mark.slow
-def test_up_with_a_wrong_password_ends_with_the_auth_error(tiny, tmp_path):
+def test_up_with_a_wrong_password_ends_with_the_auth_error(tiny_model, tmp_path):
     from jet.queues.server import EmbeddedServer
 
     with EmbeddedServer(tmp_path / "srv", password=PASSWORD) as server:
-        res = jet_up(tmp_path, write_config(tmp_path, "upauth", tiny), server.url.replace(PASSWORD, "nope-3"))
+        res = jet_up(tmp_path, write_config(tmp_path, "upauth", tiny_model), server.url.replace(PASSWORD, "nope-3"))
     assert res.returncode != 0
     assert "authentication to Redis at" in res.stderr and "failed" in res.stderr, res.stderr[-3000:]
     assert "nope-3" not in res.stderr and "Traceback" not in res.stderr

@@ -7,7 +7,8 @@ Floors, bottom up (a module may import its own floor and the ones below):
 - the roles: `jet.workers` and `jet.trainer` never import each other (their contract is the
   wire messages);
 - the top floor: modules that start roles or compose everything (`jet.cli`, `jet.up`,
-  `jet.progress` (its display), `jet.bench`, `jet.study`, `jet.dash`) may import every role.
+  `jet.progress` (its display), `jet.bench`, `jet.study`, `jet.dash`, `jet.eval` (it loads a model as an
+  inference worker does)) may import every role.
 Imports inside functions count too: a lazy import is still a dependency.
 """
 
@@ -21,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"jet": ROOT / "jet", "jet.queues": ROOT / "queues", "jet.workers": ROOT / "workers",
             "jet.trainer": ROOT / "trainer"}
-TOP_FLOOR = ("jet.cli", "jet.up", "jet.progress", "jet.bench", "jet.study", "jet.dash")
+TOP_FLOOR = ("jet.cli", "jet.up", "jet.progress", "jet.bench", "jet.study", "jet.dash", "jet.eval")
 ROLES = ("jet.workers", "jet.trainer")
 HEAVY = ("torch", "transformers", "vllm", "deepspeed", "click")
 

@@ -15,6 +15,7 @@ PROBE = ("import jet, jet.queues.consumer, jet.workers, jet.trainer, jet.bench, 
          "print(jet.queues.consumer.__file__)")
 
 
+@pytest.mark.slow
 def test_editable_install_maps_top_level_folders():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
                          cwd="/").stdout

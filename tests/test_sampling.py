@@ -101,7 +101,7 @@ def test_trainer_recomputes_the_reported_logprobs_and_the_ratio_is_one(model_dir
             diffs.append((lp - row.behaviour_logprobs[0])[trained])
             logits = policy(input_ids=row.input_ids, position_ids=row.position_ids,
                             attention_mask=None if row.causal else row.attention_mask()).logits.float()
-            plain = token_logprobs(logits, row.input_ids, row.parent_index)[0]  # the recomputation before issue 12
+            plain = token_logprobs(logits, row.input_ids, row.parent_index)[0]  # the old plain recomputation
             special = trained & ((row.temperatures[0] != 1) | (row.top_ps[0] < 1))
             old_diffs.append((plain - row.behaviour_logprobs[0])[special])
             seen |= set(zip(row.temperatures[0][trained].tolist(), row.top_ps[0][trained].tolist()))

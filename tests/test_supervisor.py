@@ -11,8 +11,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from jet.supervisor import EXIT_FATAL, READY_ENV, Child, Supervisor
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py: the process guard)
 FAST = (0.05, 0.2)  # restart delays for tests (s)
 
 

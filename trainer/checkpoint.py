@@ -11,7 +11,11 @@ What it is: `Checkpoints.write(step, state, save)` has every rank's backend
 save into `checkpoints/.tmp-<name>/`, then rank 0 writes `state.json`, fsyncs
 every file, renames the folder to `<name>` and fsyncs the parent: a
 checkpoint either exists whole or not at all. Then it copies the consumed
-list to the ledger and deletes all but the newest `keep` checkpoints.
+list to the ledger and deletes all but the newest `keep` checkpoints
+(`trainer.keep_checkpoints`): renamed to `.old-<name>` (no longer whole),
+then removed. A checkpoint being written (`.tmp-<name>`) never counts, and
+pruning runs only after the new one is renamed and its ledger written, so
+the checkpoint a resume would load is never among those deleted.
 `state.json` holds the step, the weight version, counters, and `consumed`:
 the stream entries (entry id, message id, outcome, step) whose fate this
 checkpoint makes durable; the trainer acks them only after the rename.
@@ -22,16 +26,16 @@ checkpointed again, e.g. at a stop that decided entries without a new step),
 and nothing renames over or deletes a whole checkpoint's folder or ledger
 file except pruning of checkpoint folders older than the newest `keep`
 (their ledger files stay). So a rewrite of a step can only add decisions
-(issue 11, item 1: a rewrite used to replace `ledger/step-N.json` and
-`state.json`, losing entries already acked).
+(a rewrite once replaced `ledger/step-N.json` and `state.json`, losing
+entries already acked).
 
 `Checkpoints.resume()` finds the newest whole checkpoint, deletes leftovers
-(temporary folders, ledger files past it) and makes sure its own ledger file
-exists (a crash can fall between the rename and the ledger copy). The
-ledger's files, concatenated, list every entry the surviving lineage of the
-model consumed, each exactly once, and every acked entry is among them:
-tests SIGKILL the trainer at each point of this protocol (`die_at`) and check
-that against the stream.
+(temporary and half-pruned folders, ledger files past it) and makes sure its
+own ledger file exists (a crash can fall between the rename and the ledger
+copy). The ledger's files, concatenated, list every entry the surviving
+lineage of the model consumed, each exactly once, and every acked entry is
+among them: tests SIGKILL the trainer at each point of this protocol
+(`die_at`) and check that against the stream.
 """
 
 from __future__ import annotations
@@ -151,10 +155,21 @@ class Checkpoints:
             write_json(self.ledger / f"{name}.json", state["consumed"])
             fsync_path(self.ledger)
             die_at("checkpoint:ledger")
-            for old in self.whole()[:-self.keep]:
-                shutil.rmtree(self.dir / _name(*old), ignore_errors=True)
+            self._prune()
         self.barrier()
         return final
+
+    def _prune(self) -> None:
+        """Delete all but the newest `keep` whole checkpoints: each is renamed to `.old-<name>` first, so a
+        crash mid-delete leaves no folder that still counts as whole (`resume` removes the leftovers)."""
+        old = self.whole()[:-self.keep]
+        for key in old:
+            os.replace(self.dir / _name(*key), self.dir / f".old-{_name(*key)}")
+        if old:
+            fsync_path(self.dir)
+            die_at("checkpoint:pruning")
+        for key in old:
+            shutil.rmtree(self.dir / f".old-{_name(*key)}", ignore_errors=True)
 
     def consumed(self) -> list[dict]:
         """Every ledger record of the surviving lineage, oldest first."""
@@ -172,7 +187,7 @@ class Checkpoints:
         return max(used) + 1 if used else 0
 
     def _tidy(self, newest: tuple[int, int]) -> None:
-        for tmp in self.dir.glob(".tmp-*") if self.dir.is_dir() else ():
+        for tmp in [*self.dir.glob(".tmp-*"), *self.dir.glob(".old-*")] if self.dir.is_dir() else ():
             shutil.rmtree(tmp, ignore_errors=True)
         for f in self.ledger.glob("step-*.json") if self.ledger.is_dir() else ():
             key = _key(f.stem)

@@ -61,18 +61,19 @@ def _trained_model(cfg, model: str | None) -> str:
 @redis_url_option
 def train(config_path, overrides, model, backend, nproc, device, redis_url) -> None:
     """Train a model on its trajectories (traj:<model>), publishing weights to weights:<model>."""
-    from jet.config import REDIS_URL_ENV
+    from jet.config import REDIS_URL_ENV, pins
 
     cfg = load_config(config_path, overrides)
     model = _trained_model(cfg, model)
-    require_models(cfg, config_path, [model])
+    cfg, raw = require_models(cfg, config_path, [model]), cfg
     backend = backend or cfg.trainer_of(model).backend
     nproc = nproc or cfg.trainer_of(model).nproc
     rank = os.environ.get("RANK")
     url = resolve_url(redis_url) if rank in (None, "0") else None
     if backend == "deepspeed" and rank is None:
         args = ["--config", config_path, "--model", model, "--backend", backend]  # ranks read WORLD_SIZE
-        args += [x for o in overrides for x in ("--set", o)] + (["--device", device] if device else [])
+        sets = (*overrides, *pins(raw, cfg))  # every rank loads the commit a Hub id resolved to here
+        args += [x for o in sets for x in ("--set", o)] + (["--device", device] if device else [])
         os.environ[REDIS_URL_ENV] = url  # the ranks inherit it; a password never shows in `ps`
         raise SystemExit(_torchrun(nproc, args))
     stop = _stop_on_signals()
@@ -95,6 +96,9 @@ def _torchrun(nproc: int, args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # The ranks start as `python -m jet.trainer.cli`: safe-path mode keeps this folder off their
+    # sys.path (as jet.supervisor.python_module's -P does for every other role).
+    os.environ["PYTHONSAFEPATH"] = "1"
     parsed = get_args_parser().parse_args(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
                                            "--max-restarts", "0", "--shutdown-timeout", "120", "--module", "jet.trainer.cli", *args])
     try:

@@ -1,4 +1,4 @@
-"""A step that fails on some trajectory drops that trajectory, not the batch (issue 11, item 3).
+"""A step that fails on some trajectory drops that trajectory, not the batch (docs/design.md, "Poison").
 
 What it is: `guarded(intake, groups, step, attempt, probe)` runs `attempt(groups)`;
 when it raises, `jet.trainer.screen.isolate` runs `probe` on each member alone,

@@ -5,8 +5,8 @@ a trainer that resumes from a checkpoint at version c after a crash that had
 published up to a > c announces the restored weights as a + 1. Counted in
 version numbers, the backlog generated before the crash, by the very policy
 it restored (version c) or its ancestors, would be a + 1 - c versions staler
-than it is, and a whole checkpoint interval of it was dropped as stale (issue
-11, item 7: 22-69% of the backlog in chaos runs).
+than it is, and a whole checkpoint interval of it was dropped as stale (22-69% of
+the backlog in chaos runs).
 
 What it is: `Lineage` maps every version number to an ordinal, its position
 along the surviving lineage of policies, and staleness is the difference of

@@ -15,7 +15,9 @@ reconnects run there. The synchronous training loop gets plain methods:
   (a trajectory the trainer cannot train on), atomically with its ack;
 - `publish(w)`: announces a WeightVersion on `weights:<model>` (dedup'd by
   its message id, so a retried publish is announced once);
-- `latest_weights()`, `lag()`: the newest announcement; the group's lag.
+- `latest_weights()`, `lag()`: the newest announcement; the group's lag;
+- `served_versions()`: the weight version each live inference worker of the
+  model serves, from their heartbeats (None when Redis is unreachable).
 
 Every entry handed out stays pending (leased, renewed every lease/3) until
 it is acked: the trainer holds entries for minutes (group assembly, then until
@@ -41,9 +43,9 @@ import anyio
 import anyio.from_thread
 
 from jet.config import JetConfig
-from jet.errors import CodecError, ConnectError
+from jet.errors import CodecError, ConnectError, QueueError
 from jet.keys import GROUP_TRAINER, Keys
-from jet.queues import codec
+from jet.queues import codec, registry
 from jet.queues.connect import retry_forever, translated
 from jet.queues.consumer import Settings, consumer_name
 from jet.queues.producer import Producer
@@ -138,6 +140,15 @@ class Link:
     def latest_weights(self) -> WeightVersion | None:
         return self.portal.call(self._latest_weights)
 
+    def report(self, counts: dict[str, int]) -> None:
+        """Write the trainer's outcome counts where the feeder's admission reads them (`Keys.rollout`);
+        a Redis error skips this report (the next step writes the counts again)."""
+        self.portal.call(self._report, counts)
+
+    def served_versions(self) -> dict[str, int] | None:
+        """{inference worker: weight version it serves} from the registry; None if Redis is unreachable."""
+        return self.portal.call(self._served_versions)
+
     def lag(self) -> dict[str, int]:
         """{'lag': entries not yet read by the trainer group, 'pending': read and not acked}; {} if unreachable."""
         return self.portal.call(self._lag)
@@ -188,6 +199,21 @@ class Link:
             except CodecError as e:
                 log.error("ignoring a malformed weights announcement: %s", e)
         return None
+
+    async def _report(self, counts: dict[str, int]) -> None:
+        import orjson
+
+        try:
+            with translated(self.url):
+                await self.rt.client.hset(self.keys.rollout(self.model), "counts", orjson.dumps(counts))
+        except QueueError as e:
+            log.warning("could not report the outcome counts: %s", e)
+
+    async def _served_versions(self) -> dict[str, int] | None:
+        try:
+            return await registry.served(self.rt.client, self.keys, self.model, url=self.url)
+        except QueueError:
+            return None  # retention waits for the next publish rather than guess
 
     async def _lag(self) -> dict[str, int]:
         try:

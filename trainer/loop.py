@@ -36,7 +36,7 @@ so inference workers leave the lost lineage. Staleness is not counted in
 those version numbers but along the lineage (`jet.trainer.lineage`): the
 republished weights are as old as the checkpoint's version, so the backlog
 generated before the crash keeps its age instead of jumping by the lost
-steps (issue 11, item 7).
+steps (docs/design.md, "Weight versions and staleness").
 
 Poison never stops training: every trajectory is screened on intake, and one
 the trainer can never train is dead-lettered alone with its reason; an
@@ -78,8 +78,6 @@ from jet.wire import WeightVersion
 
 log = logging.getLogger(__name__)
 
-KEEP_WEIGHTS = 3  # newest weight versions kept on disk
-
 
 @dataclass(slots=True)
 class TrainState:
@@ -106,7 +104,9 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
     tc = cfg.trainer_of(model)  # the top-level trainer section under the model's own `trainer` overrides
     root = Path(cfg.run_dir) / "trainer" / model
 
-    # -- set-up: ranks, seeds, the backend, the checkpoint to resume from
+    # -- set-up: threads, ranks, seeds, the backend, the checkpoint to resume from
+    if tc.threads and (device or tc.device) == "cpu":
+        torch.set_num_threads(tc.threads)
     comm, engine = make_backend(backend or tc.backend, cfg.model(model).path, tc, device)
     torch.manual_seed(tc.seed + comm.rank)
     random.seed(tc.seed + comm.rank)
@@ -137,7 +137,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
         plan = comm.share_plan(first_plan(intake, state) if comm.leader else None)
         if plan.publish:
             state.version = plan.version
-            publish(engine, comm, intake, cfg.run_dir, model, state)
+            publish(engine, comm, intake, cfg.run_dir, model, state, tc)
 
         clock, last_checkpoint = Clock(), state.step
         while True:
@@ -179,7 +179,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             # 3. publish the new weights every publish_every steps
             if plan.publish:
                 state.version = plan.version
-                publish(engine, comm, intake, cfg.run_dir, model, state)
+                publish(engine, comm, intake, cfg.run_dir, model, state, tc)
             clock.busy += time.monotonic() - t0
             clock.steps += 1
             clock.tokens += stats.row_tokens
@@ -190,6 +190,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                 metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
                 intake.link.status.update(step=state.step, weight_version=state.version)  # its heartbeat
+                intake.link.report(dict(intake.asm.counts))  # what the feeder's admission subtracts
 
             # 5. checkpoint, then ack what it made durable
             if plan.checkpoint:
@@ -249,15 +250,17 @@ def next_batch(intake: Intake, tc: TrainerConfig, state: TrainState, stop: Calla
         intake.trained(groups, state.step, state.lineage.ordinal(state.version))  # nothing to step on
 
 
-def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str, state: TrainState) -> None:
-    """Every rank: write the weights as version `state.version` (rank 0), then announce them."""
+def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str, state: TrainState,
+            tc: TrainerConfig) -> None:
+    """Every rank: write the weights as version `state.version` (rank 0), announce them, prune old ones
+    (`trainer.keep_weights`, never one a live inference worker serves: `jet.trainer.weights`)."""
     folder = weights_dir(Path(run_dir), model, state.version)
     with engine.full_module() as module:
-        sha = write_weights(module, folder) if comm.leader else ""
+        sha = write_weights(module, folder, tc.dtype) if comm.leader else ""
     if comm.leader:
         intake.link.publish(WeightVersion(model=model, version=state.version, path=str(folder.resolve()),
                                           sha256=sha, step=state.step))
-        prune_weights(Path(run_dir), model, state.version, KEEP_WEIGHTS)
+        prune_weights(Path(run_dir), model, state.version, tc.keep_weights, intake.link.served_versions())
     comm.barrier()
 
 

@@ -8,7 +8,17 @@ it, renames it to `model.safetensors`, fsyncs the folder, writes
 `config.json` and returns the file's sha256. Only then does the trainer
 announce a `WeightVersion` (`jet.trainer.link.Link.publish`), so an
 inference worker never sees an announcement of a file that is not all there.
-`prune_weights` deletes old versions, keeping the newest `keep`.
+The file holds the tensors in the trainer's compute dtype (`trainer.dtype`:
+bfloat16 halves the folder; inference backends cast into their own dtype).
+
+Retention (`prune_weights`, after each publish): a version's folder is deleted
+only when it is older than the newest `keep` AND older than the oldest version
+an inference worker reports serving in its heartbeat (`jet.queues.registry`):
+every version at or past the oldest served one stays, which also covers a
+worker loading a newer one (it still reports the old). Deletion renames the
+folder to `.old-v<N>` first, so a published name is there whole or not at all;
+a follower that finds an announced folder gone skips to the newest
+(`jet.workers.weights`). Leftover `.old-*` folders go at the next prune.
 
 What it is not: a loader (inference workers load, checking the hash), and
 weights never go through Redis.
@@ -16,12 +26,14 @@ weights never go through Redis.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from jet.wire import WEIGHTS_FILE, file_sha256
 
+log = logging.getLogger(__name__)
 
 
 def weights_dir(run_dir: Path, model: str, version: int) -> Path:
@@ -49,13 +61,17 @@ def state_tensors(module) -> dict:
     return out
 
 
-def write_weights(module, folder: Path) -> str:
-    """Write `module`'s weights (and config) to `folder` durably; return the file's sha256."""
+def write_weights(module, folder: Path, dtype: str = "float32") -> str:
+    """Write `module`'s weights (and config) to `folder` durably, floating tensors as `dtype`
+    ('float32', 'bfloat16'); return the file's sha256."""
+    import torch
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     final, tmp = folder / WEIGHTS_FILE, folder / (WEIGHTS_FILE + ".tmp")
-    save_file(state_tensors(module), str(tmp), metadata={"format": "pt"})
+    want = getattr(torch, dtype)
+    tensors = {k: t.to(want) if t.is_floating_point() else t for k, t in state_tensors(module).items()}
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
     fsync_path(tmp)
     os.replace(tmp, final)
     config = getattr(module, "config", None)
@@ -67,10 +83,35 @@ def write_weights(module, folder: Path) -> str:
     return file_sha256(final)
 
 
-def prune_weights(run_dir: Path, model: str, newest: int, keep: int) -> None:
-    """Delete `v<N>` folders with N <= newest - keep (a worker still loading one retries the next)."""
+def published_versions(run_dir: Path, model: str) -> list[int]:
+    """The versions N with a `v<N>` folder, oldest first."""
     root = Path(run_dir) / "weights" / model
-    for d in root.glob("v*"):
-        n = d.name[1:]
-        if n.isdigit() and int(n) <= newest - keep:
-            shutil.rmtree(d, ignore_errors=True)
+    names = [d.name[1:] for d in root.glob("v*") if d.is_dir()] if root.is_dir() else []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def prune_weights(run_dir: Path, model: str, newest: int, keep: int,
+                  served: dict[str, int] | None) -> list[int]:
+    """Delete the `v<N>` folders older than the newest `keep` (N <= newest - keep) and than every
+    version in `served` (worker -> version it serves); None (the registry was unreachable) deletes
+    nothing. Returns the versions deleted."""
+    root = Path(run_dir) / "weights" / model
+    for old in root.glob(".old-v*"):  # a crash fell between a rename and its rmtree
+        shutil.rmtree(old, ignore_errors=True)
+    if served is None:
+        return []
+    floor = min([newest - keep + 1, *served.values()])
+    present = published_versions(run_dir, model)
+    gone = [n for n in present if n < floor]
+    pinned = [n for n in present if floor <= n <= newest - keep]
+    if pinned:
+        oldest = sorted(w for w, v in served.items() if v == floor)
+        log.warning("keeping %d weight versions of %s past trainer.keep_weights=%d: %s still serves version %d",
+                    len(pinned), model, keep, ", ".join(oldest), floor)
+    for n in gone:
+        old = root / f".old-v{n}"
+        os.replace(root / f"v{n}", old)
+        shutil.rmtree(old, ignore_errors=True)
+    if gone:
+        fsync_path(root)
+    return gone

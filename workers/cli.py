@@ -16,7 +16,7 @@ from jet.cliopts import LazyGroup
     cls=LazyGroup,
     lazy={
         "env": ("jet.workers.env:cli", "Run agent episodes of the configured tasks (tasks:<task> -> traj:<model>)."),
-        "infer": ("jet.workers.infer:cli", "Serve one model's generation requests (gen:<model>), hf or vllm."),
+        "infer": ("jet.workers.infer:cli", "Serve one model's generation requests (gen:<model>), hf or vllm.", "infer"),
     },
 )
 def worker() -> None:

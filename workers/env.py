@@ -29,7 +29,7 @@ an OpenAI-compatible gateway (`jet.workers.gateway`): by default one embedded
 in this process on loopback; with `--gateway-url` a standalone `jet gateway`,
 whose recorded calls are collected before the merge and the commit.
 
-Code versions and reloads (issue 6): every Trajectory carries
+Code versions and reloads (docs/swarm.md, "Live code iteration"): every Trajectory carries
 `meta["code_version"]`, a short hash of the workflow's and reward's source
 files and of the .py files under `runtime.cwd` (`episode.code_version`),
 computed once when this process loads them. New code needs new processes:
@@ -47,7 +47,10 @@ interpreter must import jet and its dependencies itself (jet installed in that
 environment, or the environment layered on this one); nothing is added to its
 PYTHONPATH, so the conflicting dependencies of the two stay apart. The
 supervisor checks `import jet.workers.env` under it before starting. A task
-with only `runtime.cwd` runs here with the directory put on sys.path.
+with only `runtime.cwd` runs here with the directory put on sys.path. The folder
+the worker runs in is searched last: roles start with `python -P`
+(`jet.supervisor.python_module`), so a `jet/` folder there never shadows the
+installed package.
 
 Shadow mode (`--shadow`) is the same worker on another lane (`jet.workers.lanes`):
 it plays every new task in its own group `env-shadow`, publishes to
@@ -130,6 +133,7 @@ class TaskRunner:
         except CodecError as e:  # the live lane dead-letters it; the shadow only drops its copy
             return Dead(str(e)) if self.lane.owns_fate else Drop()
         session = self.llm.session(task.msg_id, self.t.model)
+        session.deadline = time.time() + self.t.episode_timeout_s  # its calls' requests are moot after it
         try:
             await self.gateway.open(session, ttl_s=self.t.episode_timeout_s + KEY_GRACE_S, task=self.t.name)
             out = await play(task, session, self.workflow, self.reward, timeout_s=self.t.episode_timeout_s,
@@ -192,8 +196,7 @@ def _load(spec: str, key: str):
 
 
 async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 0, tasks: tuple[str, ...] = (),
-              drain_timeout_s: float = 30.0, request_timeout_s: float | None = None,
-              gateway_url: str | None = None, shadow: bool = False) -> None:
+              drain_timeout_s: float = 30.0, gateway_url: str | None = None, shadow: bool = False) -> None:
     """Run episodes of the configured tasks until `stop`, then drain.
 
     `gateway_url`: the /v1 URL of a standalone `jet gateway` for OpenAI-SDK
@@ -208,11 +211,13 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
                               f"({sys.executable}); start it with `jet worker env`, which runs it in its own process")
         if t.runtime.cwd and t.runtime.cwd not in sys.path:
             sys.path.insert(0, t.runtime.cwd)
+    if os.getcwd() not in sys.path:  # roles start with -P: workflows in the worker's folder are found,
+        sys.path.append(os.getcwd())  # last, so the folder never shadows an installed package
     tokenizers = Tokenizers({m.name: m.path for m in cfg.models})
     for model in {t.model for t in chosen}:  # load before the first episodes, not under their timeout
         await anyio.to_thread.run_sync(tokenizers.get, model)
-    timeout = request_timeout_s or max(30.0, 3 * cfg.queues.lease_ms / 1000)
-    async with open_client(url, Keys(cfg.run), tokenizers, timeout_s=timeout, max_connections=pool_size(cfg),
+    timeouts = {m.name: m.request_timeout_s for m in cfg.models}
+    async with open_client(url, Keys(cfg.run), tokenizers, timeouts=timeouts, max_connections=pool_size(cfg),
                            gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
         log.info("env worker slot %s: tasks %s, reply stream %s", slot, [t.name for t in chosen], llm.id)
         loaded: set[str] = set()
@@ -258,7 +263,7 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
     if unknown:
         raise click.UsageError(f"--task: unknown task(s) {unknown}; configured: {[t.name for t in cfg.tasks]}")
-    require_models(cfg, config_path)
+    cfg = require_models(cfg, config_path)
     url = resolve_url(redis_url)
     chosen = [t for t in cfg.tasks if not tasks or t.name in tasks]
     apart = [t for t in chosen if not same_python(t.runtime.python)]  # their own interpreter: own processes

@@ -13,7 +13,7 @@ THIS episode: the Outcome carries a one-line reason and the traceback. Only
 Redis trouble (`QueueError`) propagates: it is not the episode's fault, so the
 env worker gives the task back for another try instead of counting a failure.
 
-Code version (issue 6): `code_version` hashes the source of the workflow's and
+Code version (docs/swarm.md, "Live code iteration"): `code_version` hashes the source of the workflow's and
 reward's modules (plus the .py files under `runtime.cwd`, when set) into a short
 sha256 that every Trajectory of the process carries as `meta["code_version"]`.
 It is computed once, when the worker loads the workflow: a process never
@@ -22,7 +22,7 @@ by rolling replacement). Versions played against: each model's Trajectory
 records, in `meta["opponent_versions"]`, the sorted weight versions of the
 OTHER models' calls in the episode (`{"planner": [3, 4]}`), absent when none.
 
-No LLM call (issue 14): an episode that succeeds without one recorded LLM call
+No LLM call (docs/dashboard.md, "Episodes with no LLM call"): an episode that succeeds without one recorded LLM call
 (the agent talked to another endpoint, or to none) would train on nothing.
 `trajectories` marks it `meta["no_llm_calls"] = True`; `note_no_llm_calls`,
 called by the env worker once the episode is committed, counts it in the run's

@@ -352,8 +352,8 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, host: str = "127.0
                             url=url, what="connect", stop=stop)
     try:
         signer = Signer(await load_secret(r, keys, url), cfg.run)
-        timeout = max(30.0, 3 * cfg.queues.lease_ms / 1000)
-        async with open_client(url, keys, tokenizers, timeout_s=timeout, max_connections=limits.connections,
+        timeouts = {m.name: m.request_timeout_s for m in cfg.models}
+        async with open_client(url, keys, tokenizers, timeouts=timeouts, max_connections=limits.connections,
                                gen_maxlen=cfg.queues.maxlen.get("gen", 10_000), stop=stop) as llm:
             app = make_app(RecordingSessions(llm, r, keys, url), signer, [m.name for m in cfg.models], limits)
             async with serving(app, host, port) as base_url:
@@ -388,7 +388,7 @@ def cli(config_path, overrides, host, port, max_in_flight, max_body_mb, max_body
     cfg = load_config(config_path, overrides)
     if not cfg.models:
         raise click.ClickException(f"{config_path}: no models configured")
-    require_models(cfg, config_path)
+    cfg = require_models(cfg, config_path)
     limits = Limits(max_body=int(max_body_mb * 2**20), max_in_flight=max_in_flight,
                     max_body_in_flight=int(max_body_in_flight_mb * 2**20))
     url = resolve_url(redis_url)

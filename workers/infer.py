@@ -9,7 +9,7 @@ leaving between steps, `jet.workers.hf_engine`; `vllm` is its async engine),
 and answers on the requester's reply stream with a GenResult the moment that
 request completes. The reply XADD, the request's ack and its idempotency marker
 commit in one atomic step, so a request reclaimed from a crashed worker or
-retried by the client is answered at most once. Weights announced on
+sent again by the client is answered at most once. Weights announced on
 `weights:<model>` are checked and loaded as they come (`jet.workers.weights`):
 the backend's gate lets the requests in flight finish and holds new ones back
 meanwhile, so every reply carries the one version its tokens came from, and a
@@ -17,12 +17,17 @@ bad announcement is dead-lettered while the old weights keep serving.
 
 Requests that cannot be served get a reason, never a crash: an over-long or
 invalid request gets an error reply (from the backend); a malformed one goes to
-the dead-letter stream. A request whose deadline passed, or whose reply stream
-is gone (its client died), is dropped (acked WITHOUT a marker, without
-generating, counted as `gen_skipped`): the client has retried or gone, and a
-retry under the same id is still served. A reply is written only to a reply
-stream that still exists (the SETTLE step's NOMKSTREAM; a dropped reply is
-counted as `outputs_dropped`), so no reply stream outlives its client's TTL.
+the dead-letter stream. A request whose deadline passed before it started, or
+whose reply stream is gone (its client died, or lost it and sends it again), is
+dropped (acked WITHOUT a marker, without generating, counted as `gen_skipped`):
+its caller has given up or sends it again, and a copy under the same id is still
+served. A copy of a request this worker is decoding (same request id: the client
+sent it again after losing its reply stream, jet.llm) joins the first: it waits
+for that decoding and commits the same reply, which the marker makes a no-op
+(acked, nothing written), so a request is decoded once per worker. A reply is
+written only to a reply stream that still exists (the SETTLE step's NOMKSTREAM;
+a dropped reply is counted as `outputs_dropped`), so no reply stream outlives
+its client's TTL.
 
 What it is not: a scheduler across workers (more throughput = more processes).
 """
@@ -31,8 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,17 +80,34 @@ class Handler:
     def __init__(self, rt: Runtime, backend: Any, model: str):
         self.rt, self.backend, self.model = rt, backend, model
         self.keys, self.url = rt.keys, rt.url
+        self.decoding: dict[str, _Decoding] = {}  # request id -> its decoding in progress here
 
     async def __call__(self, d: Delivery) -> Outcome:
         req = self._decode(d)
         if isinstance(req, Dead):
             return req
         if req.deadline and time.time() > req.deadline + DEADLINE_GRACE_S:
-            return Drop("gen_skipped")  # the client gave up on this attempt; its retry is served
+            return Drop("gen_skipped")  # its caller gave up: nothing to decode for
         if not await self._client_alive(req.reply_to):
             return Drop("gen_skipped")
-        out = await self.backend.agenerate_one(list(req.prompt_ids), sampling(req))
+        out = await self._generate(req)
         return Commit([(req.reply_to, self._result(req, out).to_fields())])
+
+    async def _generate(self, req: GenRequest):
+        """The backend's output for `req`; a copy of a request decoding here waits for that one's
+        (and decodes on its own only if that one failed or was cancelled)."""
+        while (first := self.decoding.get(req.msg_id)) is not None:
+            log.info("request %s arrived again while it decodes here: joining that decoding", req.msg_id)
+            await first.done.wait()
+            if first.out is not None:
+                return first.out
+        mine = self.decoding[req.msg_id] = _Decoding()
+        try:
+            mine.out = await self.backend.agenerate_one(list(req.prompt_ids), sampling(req))
+            return mine.out
+        finally:
+            del self.decoding[req.msg_id]
+            mine.done.set()
 
     def _decode(self, d: Delivery) -> GenRequest | Dead:
         """The request, or its dead letter (malformed, wrong model, foreign reply key)."""
@@ -111,6 +133,12 @@ class Handler:
                          error=out.error, worker=self.rt.name)
 
 
+@dataclass(slots=True)
+class _Decoding:
+    done: anyio.Event = field(default_factory=anyio.Event)
+    out: Any = None  # the backend's GenOutput once it finished
+
+
 def sampling(req: GenRequest) -> SamplingParams:
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
                           stop_token_ids=req.stop_token_ids, seed=req.seed)
@@ -129,6 +157,10 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
     `backend`: use this one instead of loading `models[].backend`; `close_backend=False` leaves it open."""
     m = cfg.model(model)
     keys, settings = Keys(cfg.run), Settings.of(cfg.queues, batch=m.max_inflight)
+    if m.threads and (device or m.device) == "cpu":
+        import torch
+
+        torch.set_num_threads(m.threads)
     if backend is None:
         backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
                                                  m.max_inflight, m.dtype)
@@ -167,7 +199,7 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
 def cli(config_path, overrides, model, backend, device, processes, slot, redis_url) -> None:
     """Serve generation requests of one model (gen:<model>) with the hf or vllm backend."""
     from jet.config import REDIS_URL_ENV
-    from jet.supervisor import Child, Supervisor, run_role
+    from jet.supervisor import Child, Supervisor, python_module, run_role
 
     cfg = load_config(config_path, overrides)
     if model is None:
@@ -176,13 +208,17 @@ def cli(config_path, overrides, model, backend, device, processes, slot, redis_u
         model = cfg.models[0].name
     if model not in [m.name for m in cfg.models]:
         raise click.UsageError(f"--model: unknown model {model!r}; configured: {[m.name for m in cfg.models]}")
-    require_models(cfg, config_path, [model])
+    cfg, raw = require_models(cfg, config_path, [model]), cfg
     url = resolve_url(redis_url)
     if processes > 1:
+        from jet.config import pins
+
+        sets = (*overrides, *pins(raw, cfg))  # every process loads the commit a Hub id resolved to here
+
         def argv_of(i: int) -> list[str]:
-            argv = [sys.executable, "-m", "jet.workers.infer", "--config", config_path, "--model", model,
+            argv = [*python_module("jet.workers.infer"), "--config", config_path, "--model", model,
                     "--slot", str(slot + i)]
-            argv += [x for o in overrides for x in ("--set", o)]
+            argv += [x for o in sets for x in ("--set", o)]
             argv += ["--backend", backend] if backend else []
             return argv + (["--device", device] if device else [])
 

@@ -1,4 +1,4 @@
-"""Which processes `jet worker env` supervises: per-task interpreters (issue 6, `runtime.python`).
+"""Which processes `jet worker env` supervises: per-task interpreters (`tasks[].runtime.python`).
 
 What it is: `env_children(...)(bank)` lists one generation of env worker
 processes: per slot, one under this interpreter for the tasks that run here,
@@ -41,7 +41,7 @@ def env_children(config_path: str, overrides, chosen: list[TaskConfig], apart: l
     here = [t.name for t in chosen if t not in apart]
     out = []
     for i in range(processes):
-        common = ["-m", "jet.workers.env", "--config", config_path, "--slot", str(slot + i), "--bank", str(bank),
+        common = ["-P", "-m", "jet.workers.env", "--config", config_path, "--slot", str(slot + i), "--bank", str(bank),
                   "--drain-timeout", str(drain_timeout), *(x for o in overrides for x in ("--set", o)),
                   *(["--shadow"] if shadow else [])]
         if here:

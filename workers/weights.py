@@ -8,7 +8,7 @@ backend's `aload_weights`, whose gate lets the requests in flight finish first
 and holds new ones back meanwhile (`jet.workers.gate`). Every reply carries
 the version its tokens came from.
 
-The poison policy (issue 11): an announcement this worker cannot process is
+The poison policy (docs/design.md, "Poison"): an announcement this worker cannot process is
 dead-lettered on `dead` with its real reason, recorded in the hash
 `Keys.weights_rejected(model)` under `<consumer> <entry id>`, and never read
 again by this worker, also after a restart (`catch_up` skips what it rejected
@@ -20,7 +20,9 @@ ignored silently), a path outside the allowed roots (the run's
 resolving symlinks). Rejected after `MAX_LOAD_TRIES` failed loads (the
 backend's WeightsError: missing file, hash mismatch, not safetensors, tensors
 that do not fit): transient I/O gets its retries. Meanwhile the old weights
-keep serving.
+keep serving. Not rejected: an announcement whose folder is gone while a
+newer one is in the stream (the trainer's retention pruned it, e.g. under a
+follower that fell behind): it is skipped and the newer one loaded.
 
 What it is not: a trainer-side publisher, or a cache of weights.
 """
@@ -127,11 +129,18 @@ class WeightFollower:
         return None
 
     async def _load(self, entry_id: str, fields, w: WeightVersion, backend) -> bool:
-        """Load `w`, retrying transient failures; dead-letter it after the last. True if loaded."""
+        """Load `w`, retrying transient failures; dead-letter it after the last. True if loaded.
+
+        A folder that is gone while a newer announcement exists was pruned by the trainer's
+        retention (`jet.trainer.weights.prune_weights`): skipped, no verdict, the newer one follows."""
         for attempt in range(1, MAX_LOAD_TRIES + 1):
             try:
                 await backend.aload_weights(w.path, w.sha256, w.version)
             except (WeightsError, OSError) as e:
+                if not os.path.exists(w.path) and await self._superseded(entry_id):
+                    log.info("%s version %d: %s is gone (pruned) and a newer version is announced; skipping it",
+                             w.model, w.version, w.path)
+                    return False
                 log.error("cannot load %s version %d (try %d of %d): %s", w.model, w.version, attempt,
                           MAX_LOAD_TRIES, e)
                 if attempt == MAX_LOAD_TRIES:
@@ -143,6 +152,15 @@ class WeightFollower:
             log.info("%s: now serving weight version %d (step %d) from %s", w.model, w.version, w.step, w.path)
             return True
         return False
+
+    async def _superseded(self, entry_id: str) -> bool:
+        """Whether the stream holds an announcement after `entry_id` (False when Redis cannot say)."""
+        try:
+            with translated(self.url):
+                newer = await self.r.xrange(self.stream, f"({entry_id}", "+", count=1)
+        except ConnectError:
+            return False  # then the load's retries decide
+        return bool(newer)
 
     async def _reject(self, entry_id: str, fields, reason: str) -> None:
         """Dead-letter the announcement with its reason and remember, for this consumer, never to read it again."""

@@ -39,7 +39,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass
@@ -51,6 +50,7 @@ import yaml
 
 from jet.bench import emit, progress, redis_url_option, server_url
 from jet.keys import GROUP_TRAINER, Keys
+from jet.supervisor import python_module
 
 MODEL = "tiny"
 GOAL = 1.5
@@ -188,7 +188,7 @@ async def run_mode(name: str, max_staleness: int | None, url: str, tmp: Path, mo
     env = {**os.environ, "JET_LOG_LEVEL": "WARNING"}
     sets = [x for o in p.get("overrides", ()) for x in ("--set", o)]  # the mode's bound goes last: it wins
     sets += ["--set", f"trainer.max_staleness={max_staleness}"] if max_staleness is not None else []
-    proc = subprocess.Popen([sys.executable, "-m", "jet.trainer.cli", "--config", str(config), "--redis-url", url,
+    proc = subprocess.Popen([*python_module("jet.trainer.cli"), "--config", str(config), "--redis-url", url,
                              *sets], stdout=log, stderr=subprocess.STDOUT, env=env)
     stop, produced = anyio.Event(), [0]
     try:

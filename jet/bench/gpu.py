@@ -10,7 +10,7 @@ What it runs, on one device, in this order:
 3. the same steps on DeepSpeed ZeRO-2 in one process, its process group on
    nccl (gloo with --cpu), the rows and plan going through
    `jet.trainer.dist.Comm` as in `jet train` (collectives on the group's
-   device: issue 12, item 6).
+   device: a rank's GPU under nccl, the CPU under gloo).
 Each training phase prints tokens/s and the model-FLOPs utilisation:
 tokens/s x (6 N + 12 L d T) / peak, with N the parameters that do matmuls
 (the input embedding excluded, a tied LM head counted), L layers, d hidden

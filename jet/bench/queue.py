@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -41,6 +40,7 @@ import orjson
 
 from jet.bench import progress, redis_url_option, server_url
 from jet.cliopts import run_jet
+from jet.supervisor import python_module
 from jet.errors import QueueError
 from jet.keys import Keys
 
@@ -155,7 +155,7 @@ async def lua_hop(r, url: str, keys: Keys, n: int, batch: int) -> tuple[float, f
 
 def spawn(url: str, run: str, slot: int, batch: int, log: Path, profile: str | None,
           wire: bool = False, each: bool = False) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "jet.bench.queue", "--url", url, "--run", run, "--slot", str(slot),
+    argv = [*python_module("jet.bench.queue"), "--url", url, "--run", run, "--slot", str(slot),
             "--batch", str(batch)] + (["--profile", f"{profile}.{run}.{slot}"] if profile else [])
     argv += (["--wire"] if wire else []) + (["--each"] if each else [])
     with open(log, "wb") as f:

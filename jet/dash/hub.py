@@ -128,6 +128,10 @@ def _model_path(run_dir: Path, model: str) -> str | None:
 
 def _load_decoder(path: str) -> Callable | None:
     try:
+        from jet.sources import is_local, resolve_model
+
+        if not is_local(path):
+            path = resolve_model(path)  # a Hub id: its cached snapshot, as the roles load it
         if (Path(path) / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 

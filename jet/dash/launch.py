@@ -16,11 +16,11 @@ import errno
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from jet.dash.server import DEFAULT_PORT, bind, url_of
+from jet.supervisor import python_module
 
 
 @dataclass
@@ -50,7 +50,7 @@ def start(run: str, runs_dir: str, redis_url: str, log_dir: Path, *, port: int =
         if e.errno != errno.EADDRINUSE or port == 0:
             raise
         sock = bind(host, 0)  # another dashboard (another jet up) has the default port
-    argv = [sys.executable, "-m", "jet.dash.server", "--fd", str(sock.fileno()), "--host", host,
+    argv = [*python_module("jet.dash.server"), "--fd", str(sock.fileno()), "--host", host,
             "--run", run, "--runs-dir", runs_dir]
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / "dash.log"

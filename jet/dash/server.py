@@ -212,7 +212,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-API = {  # documented in the README's dashboard section
+API = {  # documented in docs/dashboard.md
     "GET /api/runs": "runs found on the server and under runs_dir, and the default one",
     "GET /api/swarm?run=R": "streams (length, groups: pending, lag, consumers + idle), dead letters, workers, "
                             "stats counters, latest weight versions",

@@ -30,7 +30,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import anyio
 
 from jet.study import ledger
+from jet.supervisor import python_module
 from jet.study.keeper import EXIT_NO_LEASE
 from jet.study.messages import Progress, RunRequest, RunResult
 
@@ -86,8 +86,10 @@ def check(files: RunFiles):
         cfg = load_file(files.config, files.overrides)
     except ConfigError as e:
         return str(e)
+    from jet.sources import is_local
+
     for i, m in enumerate(cfg.models):  # what `jet up` would refuse: a missing model it cannot build
-        if not (Path(m.path) / "config.json").is_file() and ".jet/models" not in Path(m.path).as_posix():
+        if is_local(m.path) and not (Path(m.path) / "config.json").is_file() and ".jet/models" not in m.path:
             return f"models[{i}].path: no model directory at {m.path!r}"
     if not any(m.trainable for m in cfg.models):
         return "no trainable model: a study run needs a trainer's metrics"
@@ -170,12 +172,11 @@ def run_env(req: RunRequest) -> dict[str, str]:
 
 
 def keeper_argv(req: RunRequest, files: RunFiles, url: str) -> list[str]:
-    py = sys.executable
     # --no-dash: runs of a study run side by side (a dashboard each would fight for one port); `jet dash`
     # shows them all from the study folder
-    up = [py, "-m", "jet.cli", "up", "--config", files.config, "--redis-url", url, "--no-live", "--no-dash"]
+    up = [*python_module("jet.cli"), "up", "--config", files.config, "--redis-url", url, "--no-live", "--no-dash"]
     up += [x for o in files.overrides for x in ("--set", o)]
-    return [py, "-m", "jet.study.keeper", "--redis-url", url, "--study", req.study, "--run", req.run,
+    return [*python_module("jet.study.keeper"), "--redis-url", url, "--study", req.study, "--run", req.run,
             "--log", str(files.log), "--grace-s", str(req.stop_grace_s), "--", *up]
 
 

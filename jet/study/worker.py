@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 import anyio
@@ -102,9 +101,9 @@ class LocalWorkers:
     drain if this process dies (they watch it)."""
 
     def __init__(self, study: str, url: str, folder: Path, n: int):
-        from jet.supervisor import Child, Supervisor
+        from jet.supervisor import Child, Supervisor, python_module
 
-        argv = lambda i: [sys.executable, "-m", "jet.study.worker", study, "--redis-url", url,  # noqa: E731
+        argv = lambda i: [*python_module("jet.study.worker"), study, "--redis-url", url,  # noqa: E731
                           "--dir", str(folder), "--slot", str(i)]
         self.sup = Supervisor(lambda bank: [Child(f"study-worker-{i}", argv(i), log=folder / "logs" / f"worker-{i}.log")
                                             for i in range(n)])
@@ -129,12 +128,12 @@ class LocalWorkers:
 def cli(study, n, slot, redis_url, study_dir) -> None:
     """Execute STUDY's runs (each an ordinary `jet up`), one at a time per process."""
     from jet.cliopts import resolve_url
-    from jet.supervisor import Child, Supervisor, run_role
+    from jet.supervisor import Child, Supervisor, python_module, run_role
 
     url = resolve_url(redis_url)
     folder = Path(study_dir or Path("studies") / study)
     if slot is None and n > 1:
-        base = [sys.executable, "-m", "jet.study.worker", study, "--redis-url", url, "--dir", str(folder)]
+        base = [*python_module("jet.study.worker"), study, "--redis-url", url, "--dir", str(folder)]
         raise SystemExit(Supervisor(lambda bank: [Child(f"study-worker-{i}", base + ["--slot", str(i)])
                                                   for i in range(n)]).run())
     run_role(lambda stop: serve(url, study, slot or 0, folder, stop), name="jet study worker")

@@ -11,6 +11,10 @@ Built-in datasets and the workflows that play them:
   {"question": "12 + 7 * 3", "answer": 33} (`jet.tasks.expressions`), answered
   with a calculator tool by `jet.tasks.arith:workflow`, an agent written
   against the `openai` SDK that reaches the model through the gateway;
+- "add": two-digit addition ("What is 47 + 38? Answer with just the number."),
+  a real pretrained model's task, with a held-out evaluation split that shares
+  no problem with training (`jet.tasks.add`: `workflow` on the `openai` SDK,
+  `eval_rows` and `score` for `jet eval`);
 - "propose": a range; a proposer model picks the secret and a solver model
   guesses it (`jet.tasks.propose:workflow`, two agents on two models, a
   per-agent reward).
@@ -34,6 +38,7 @@ from jet.errors import ConfigError
 DATASETS = {
     "guess": "jet.tasks.guess:rows",
     "arith": "jet.tasks.expressions:rows",
+    "add": "jet.tasks.add:rows",
     "propose": "jet.tasks.propose:rows",
     "units": "jet.tasks.units:rows",
     "lookup": "jet.tasks.lookup:rows",

@@ -90,10 +90,10 @@ def score(attempt: Attempt, answer: float) -> float:
 
 async def workflow(task: Task, llm: Any) -> float:
     """One episode: the OpenAI agent against this episode's gateway; returns the reward."""
-    import openai
-
     row = task.row
-    async with openai.AsyncOpenAI(base_url=llm.openai_base_url, api_key=llm.openai_api_key) as client:
+    # An openai.AsyncOpenAI on this episode's gateway (llm.openai_base_url, llm.openai_api_key) that
+    # shares the worker's HTTP transport with the other episodes (see jet.llm.Session.openai_client).
+    async with llm.openai_client() as client:
         attempt = await solve(client, llm.model, str(row["question"]), max_turns=int(row.get("max_turns", 3)),
                               max_tokens=int(row.get("max_tokens", 48)),
                               temperature=float(row.get("temperature", 1.0)))

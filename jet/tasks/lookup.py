@@ -99,10 +99,8 @@ async def solve(model: Any, text: str, *, stream: bool, max_turns: int = 3, max_
 
 async def _play(task: Task, llm: Any, api: str, stream: bool) -> float:
     from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
-    from openai import AsyncOpenAI
-
     row = task.row
-    async with AsyncOpenAI(base_url=llm.openai_base_url, api_key=llm.openai_api_key) as client:
+    async with llm.openai_client() as client:  # AsyncOpenAI on the episode's gateway, shared transport
         model = (OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)(
             model=llm.model, openai_client=client)
         attempt, gave_up = await solve(model, question(row), stream=stream, max_turns=int(row.get("max_turns", 3)),

@@ -17,16 +17,16 @@ from jet.wire import Task, Trajectory, WeightVersion
 HOST = "hostA"
 
 
-def until(fn, timeout=10.0):
-    """fn()'s first truthy value, polled (swarm snapshots are cached for a second)."""
+def until(fn, timeout=10.0, what="a truthy value"):
+    """fn()'s first truthy value, polled (swarm snapshots are cached for a second); fails after `timeout` s."""
     import time
 
     deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got or time.monotonic() > deadline:
-            return got
+    while not (got := fn()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {got!r})")
         time.sleep(0.1)
+    return got
 
 
 async def _poison_and_pending(url: str, keys: Keys) -> None:
@@ -88,7 +88,7 @@ def test_dead_letters_are_requeued_and_dropped_with_the_code_of_jet_dlq(client, 
     assert last == {b"x": b"garbage"}  # the very entry, as it was
     # poison it again, then drop it
     anyio.run(_dead_again, redis_url, keys)
-    [d] = until(lambda: client.get("/api/swarm").json()["dead_letters"])
+    [d] = until(lambda: client.get("/api/swarm").json()["dead_letters"], what="the dead letter in /api/swarm")
     assert client.post("/api/dlq", json={"op": "drop", "ids": [d["id"]]}).json()["changed"] == 1
     assert client.get("/api/swarm").json()["dead"] == 0
 

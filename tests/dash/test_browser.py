@@ -1,7 +1,7 @@
 """The dashboard in a real headless browser (Debian's chromium, driven by Playwright) while a real `jet up`
 trains: every page loads without a console error, the curves gain points, an episode shows its decoded
 conversation, a dead letter is requeued and another dropped from the page. With JET_DASH_SCREENSHOTS=DIR
-the screenshots of the pages are written there (the README's come from `JET_DASH_SCREENSHOTS=docs`)."""
+the screenshots of the pages are written there (docs/dashboard.md's come from `JET_DASH_SCREENSHOTS=docs`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-# Optimiser steps of the run: the curves need two at least, the rest is waiting time. A screenshot run
-# (JET_DASH_SCREENSHOTS) may ask for more with JET_DASH_STEPS and shoots the curves once they are all in.
-STEPS = int(os.environ.get("JET_DASH_STEPS", "5"))
+# Optimiser steps of the run: the curves need two at least, and the run must outlast the browser's visit
+# (its end ends the dashboard too): on an idle machine 5 steps of the tiny model ended before the training
+# page was opened. A screenshot run (JET_DASH_SCREENSHOTS) may ask for more with JET_DASH_STEPS and
+# shoots the curves once they are all in.
+STEPS = int(os.environ.get("JET_DASH_STEPS", "60"))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]

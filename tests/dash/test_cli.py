@@ -36,6 +36,7 @@ def _dash(args, redis_url, tmp_path):
                             cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_jet_dash_prints_its_url_serves_and_stops_on_sigterm(redis_url, keys, tmp_path):
     proc = _dash(["--run", keys.run], redis_url, tmp_path)
     try:
@@ -49,6 +50,7 @@ def test_jet_dash_prints_its_url_serves_and_stops_on_sigterm(redis_url, keys, tm
         assert proc.wait(20) == 0
 
 
+@pytest.mark.slow
 def test_off_loopback_jet_dash_makes_a_token_and_requires_it(redis_url, keys, tmp_path):
     proc = _dash(["--run", keys.run, "--host", "0.0.0.0"], redis_url, tmp_path)
     try:
@@ -64,6 +66,7 @@ def test_off_loopback_jet_dash_makes_a_token_and_requires_it(redis_url, keys, tm
         assert proc.wait(20) == 0
 
 
+@pytest.mark.slow
 def test_jet_ups_launcher_takes_another_port_when_the_default_is_taken(redis_url, keys, tmp_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -11,6 +11,7 @@ FIELDS = {"payload", "entry_bytes", "mode", "consumers", "n", "seconds", "msgs_s
           "server_cpu_us", "samples", "ratio", "goal", "met"}
 
 
+@pytest.mark.slow
 def test_quick_json_on_its_own_embedded_server():
     result = CliRunner().invoke(cli, ["--quick", "--json"], env={"JET_REDIS_URL": ""})
     assert result.exit_code == 0, result.output
@@ -38,6 +39,7 @@ def test_quick_json_on_its_own_embedded_server():
     assert set(report["goals"]) == {"100B", "40KB"}
 
 
+@pytest.mark.slow
 def test_table_against_a_given_server(redis_url):
     args = ["--redis-url", redis_url, "--n-small", "300", "--n-large", "20", "--consumers", "2", "--repeat", "1"]
     result = CliRunner().invoke(cli, args)

@@ -1,4 +1,4 @@
-"""The entry codec (DESIGN.md rule 8) and what consumers do with bad entries."""
+"""The entry codec (docs/design.md, rule 8) and what consumers do with bad entries."""
 
 from array import array
 

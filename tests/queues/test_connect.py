@@ -48,6 +48,7 @@ async def hop_one(url: str, keys, n: int = 5) -> list[int]:
 # -- password and ACL users -------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_password_url_works_and_wrong_or_missing_password_is_refused(tmp_path, keys):
     with EmbeddedServer(tmp_path, password=PASSWORD) as server:
         assert PASSWORD in server.url
@@ -65,6 +66,7 @@ async def test_password_url_works_and_wrong_or_missing_password_is_refused(tmp_p
             assert "not-it-77" not in msg and PASSWORD not in msg
 
 
+@pytest.mark.slow
 async def test_acl_user_connects_and_commits_through_lua(tmp_path, keys):
     with EmbeddedServer(tmp_path) as server:
         admin = await connect(server.url)
@@ -120,6 +122,7 @@ async def forward(target_port: int, client) -> None:
             tg.start_soon(pipe, upstream, client)
 
 
+@pytest.mark.slow
 async def test_tls_url_runs_a_real_hop_and_verifies_the_certificate(tmp_path, embedded, keys, caplog):
     cert, key = self_signed(tmp_path)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -244,6 +247,7 @@ async def test_unreachable_server_error_names_the_redacted_url(scheme):
     assert redact(url) in msg
 
 
+@pytest.mark.slow
 async def test_retry_forever_backs_off_while_down_and_reconnects(tmp_path, caplog):
     server = EmbeddedServer(tmp_path / "srv", password=PASSWORD).start()
     url, port = server.url, server.port
@@ -308,6 +312,7 @@ async def test_retry_forever_lets_other_errors_through():
 # -- what no retry can fix is fatal -------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_server_that_is_not_redis_is_a_fatal_error():
     """An HTTP server where Redis should be: a fatal ServerError, not reconnecting forever."""
     import sys

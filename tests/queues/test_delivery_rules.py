@@ -1,4 +1,4 @@
-"""One test (or more) per delivery rule of DESIGN.md, against a real server."""
+"""One test (or more) per delivery rule of docs/design.md, against a real server."""
 
 import socket
 import subprocess
@@ -218,6 +218,7 @@ async def test_rule4_full_stream_applies_backpressure_never_drops(redis_url, key
     await close(c)
 
 
+@pytest.mark.slow
 async def test_rule6_a_restarted_process_finds_its_own_pending_entries(redis_url, keys):
     """Consumer names are host-role-slot: a process SIGKILLed mid-work and started again on the same
     slot re-reads the entries it held, though no reaper could take them (a 10-minute lease)."""

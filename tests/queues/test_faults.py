@@ -1,6 +1,7 @@
 """Real faults: SIGKILLed consumer processes, SIGTERM drains, cancelled reads,
 and a server restart, each checked for exactly-once outputs and nothing pending."""
 
+import logging
 import os
 import random
 import signal
@@ -20,7 +21,7 @@ from jet.queues.producer import Producer
 
 from jet.queues.server import EmbeddedServer
 
-from .helpers import close, entry, make_consumer, read_all, serve
+from .helpers import close, entry, eventually, make_consumer, read_all, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,6 +131,7 @@ async def test_chaos_sigkill_and_restart_consumers(redis_url, keys, tmp_path):
     assert len({p.meta["by"] for p in out}) >= 3  # work really moved between processes
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_sigterm_drains_and_exits_zero(redis_url, keys):
     n = 80
@@ -155,6 +157,7 @@ async def test_sigterm_drains_and_exits_zero(redis_url, keys):
     await r.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_sigkilled_consumer_restarted_under_same_name_finds_its_work(redis_url, keys):
     n = 30
@@ -201,9 +204,15 @@ async def test_cancelled_reads_lose_nothing(redis_url, keys):
     await close(c2)
 
 
+def outage_seen(caplog) -> bool:
+    """A warning of jet.queues about the lost server: a read reconnecting, or an operation retrying."""
+    return any(r.name.startswith("jet.queues") and r.levelno >= logging.WARNING
+               and ("reconnecting" in r.getMessage() or "retrying" in r.getMessage()) for r in caplog.records)
+
+
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_server_restart_mid_run_loses_nothing_acknowledged(tmp_path, keys):
+async def test_server_restart_mid_run_loses_nothing_acknowledged(tmp_path, keys, caplog):
     server = EmbeddedServer(tmp_path / "srv").start()
     url, n = server.url, 2000
     await fill(url, keys, n)
@@ -223,7 +232,7 @@ async def test_server_restart_mid_run_loses_nothing_acknowledged(tmp_path, keys)
         before = await probe.xlen(dst)
         await probe.aclose()
         await anyio.to_thread.run_sync(server.stop)  # graceful: AOF flushed
-        await anyio.sleep(1.0)
+        await eventually(lambda: outage_seen(caplog), 30)  # the consumer ran into the dead server
         server = EmbeddedServer(tmp_path / "srv", port=server.port).start()
         probe = await connect(url)
         assert await probe.xlen(dst) >= before  # every acknowledged output survived

@@ -17,7 +17,7 @@ from jet.queues.producer import Producer
 from jet.queues.messages import Commit, Dead, Drop
 from jet.queues.runtime import Runtime
 
-from .helpers import entry, eventually, read_all
+from .helpers import entry, eventually, idle_ms, read_all
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +67,10 @@ async def _equals(value, want) -> bool:
     return await value == want
 
 
+async def _at_least(value, least) -> bool:
+    return await value >= least
+
+
 async def test_each_outcomes_are_values(redis_url, keys):
     src, dst = keys.tasks("src"), keys.traj("dst")
     r = await connect(redis_url)
@@ -100,6 +104,7 @@ async def test_each_outcomes_are_values(redis_url, keys):
     await r.aclose()
 
 
+@pytest.mark.slow
 async def test_each_sigkill_mid_work_loses_nothing(redis_url, keys):
     """Fast messages are committed at once; the slow ones are in flight when the process is
     SIGKILLed; a restarted process on the same slot finishes them, each exactly once."""
@@ -155,9 +160,11 @@ async def test_a_busy_consumer_leaves_a_dead_ones_work_to_an_idle_one(redis_url,
         tg.start_soon(serve, "busy")
         await eventually(lambda: _equals(anyio.to_thread.run_sync(lambda: by.get(1)), "busy"))
         await r.xadd(src, entry(0))  # the busy one is full, so it reads nothing new: a consumer that
-        [[_, [(_, fields)]]] = await r.xreadgroup("g", "died", {src: ">"}, count=1)  # then dies takes 0
+        [[_, [(dead_id, fields)]]] = await r.xreadgroup("g", "died", {src: ">"}, count=1)  # then dies takes 0
         assert codec.decode(fields).meta["n"] == 0
-        await anyio.sleep(1.0)  # several reaper passes of the busy one, the dead one's entry long idle
+        # the dead one's entry stays unclaimed past three leases (several reaper passes of the busy one):
+        # a claim would reset its idle time
+        await eventually(lambda: _at_least(idle_ms(r, src, "g", dead_id), 3 * settings.lease_ms))
         assert 0 not in by
         tg.start_soon(serve, "idle")
         await eventually(lambda: _equals(anyio.to_thread.run_sync(lambda: by.get(0)), "idle"))
@@ -198,3 +205,57 @@ async def test_messages_finishing_together_as_the_drain_ends_are_all_committed(r
     assert sorted(p.meta["n"] for p in await read_all(r, dst)) == list(range(sent))
     assert (await r.xpending(src, "g"))["pending"] == 0
     await r.aclose()
+
+
+@pytest.mark.parametrize("mode", ["each", "batches"])
+async def test_a_call_finishing_after_the_drain_deadline_leaves_its_entry_pending(redis_url, keys, mode):
+    """A handler that finishes inside a shielded step (the hf engine's decoding step) after the drain
+    deadline cancelled the committer: the role still stops cleanly (serve_each raised BrokenResourceError,
+    which crashed the inference worker), and the outcome is not committed: the entry stays pending,
+    released, and the next consumer commits it exactly once."""
+    src, dst = keys.tasks("src"), keys.traj("dst")
+    r = await connect(redis_url)
+    await Producer(r, redis_url, keys, src).send([entry(0)])
+    stop, started, finished = anyio.Event(), anyio.Event(), anyio.Event()
+
+    async def late(d):
+        started.set()
+        with anyio.CancelScope(shield=True):  # a step always completes, deadline or not
+            await anyio.sleep(0.6)
+        finished.set()
+        return Commit([(dst, entry(d.payload.meta["n"], by="late"))])
+
+    async with Runtime(redis_url, keys, src, "g", "late", Settings(block_ms=100)) as rt:
+        async with anyio.create_task_group() as tg:
+            if mode == "each":
+                tg.start_soon(functools.partial(rt.serve_each, late, stop, concurrency=2, drain_timeout_s=0.1))
+            else:
+                tg.start_soon(functools.partial(rt.serve_batches, _each_of(late), stop, drain_timeout_s=0.1))
+            await started.wait()
+            stop.set()
+    assert finished.is_set()  # the call did finish, after the deadline
+    if mode == "each" or await r.xlen(dst) == 0:  # (a batch's settle may have reached the server first)
+        assert await r.xlen(dst) == 0  # ... and was not committed
+        [pending] = await r.xpending_range(src, "g", "-", "+", 10)
+        assert pending["time_since_delivered"] > 10**8  # released: the next reaper pass takes it at once
+
+    async def again(d):
+        return Commit([(dst, entry(d.payload.meta["n"], by="next"))])
+
+    stop = anyio.Event()
+    async with Runtime(redis_url, keys, src, "g", "next", Settings(block_ms=100, lease_ms=300)) as rt:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(rt.serve_each, again, stop, concurrency=1))
+            await eventually(lambda: _equals(r.xlen(dst), 1))
+            stop.set()
+    committed = [(p.meta["n"], p.meta["by"]) for p in await read_all(r, dst)]
+    assert committed == [(0, "next")] or (mode == "batches" and committed == [(0, "late")])  # exactly once
+    assert (await r.xpending(src, "g"))["pending"] == 0
+    await r.aclose()
+
+
+def _each_of(handle):
+    """A batch handler that runs `handle` on each message of its batch."""
+    async def batch(ds):
+        return [await handle(d) for d in ds]
+    return batch

@@ -1,4 +1,5 @@
-"""Fixtures of the study tests: a tiny model, a fast base Jet config, study files, and `jet study` processes.
+"""Fixtures of the study tests: a fast base Jet config (on tests/conftest.py's tiny_model), study files,
+and `jet study` processes.
 
 Runs are real `jet up` runs of a few trainer steps on the tiny model against
 the session's Valkey (each study has its own namespace), so a study test
@@ -20,17 +21,10 @@ import pytest
 import yaml
 
 from jet.keys import Keys
-from jet.models import init_model
 from jet.queues.connect import connect
 from jet.study import ledger
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def study_model(tmp_path_factory) -> Path:
-    return init_model(tmp_path_factory.mktemp("study-model") / "tiny", vocab_size=512, hidden_size=32, layers=2,
-                      heads=4, kv_heads=2, max_position=256, seed=0)
 
 
 def base_config(folder: Path, model: Path, steps: int = 3) -> Path:

@@ -79,8 +79,8 @@ class FixedLLM:
         self.thread.join(10)
 
 
-def llm_study(tmp_path, study_model, tokens: int = 100_000):
-    base_config(tmp_path, study_model)
+def llm_study(tmp_path, tiny_model, tokens: int = 100_000):
+    base_config(tmp_path, tiny_model)
     return parse_study({
         "name": f"llm-{uuid.uuid4().hex[:6]}", "question": "Which learning rate learns the guess game fastest?",
         "base": str(tmp_path / "base.yaml"), "studies_dir": str(tmp_path / "studies"),
@@ -100,8 +100,8 @@ async def ask_once(study, url: str) -> tuple[Runner, list[dict]]:
     return runner, runner.decisions.read()
 
 
-def test_a_valid_proposal_is_accepted_with_its_rationale(tmp_path, redis_url, study_model, monkeypatch):
-    study = llm_study(tmp_path, study_model)
+def test_a_valid_proposal_is_accepted_with_its_rationale(tmp_path, redis_url, tiny_model, monkeypatch):
+    study = llm_study(tmp_path, tiny_model)
     reply = json.dumps({"arms": [{"trainer.lr": 0.0007}], "rationale": "between the defaults, on a log scale"})
     with FixedLLM(f"Here is my plan:\n```json\n{reply}\n```") as base_url:
         monkeypatch.setenv("JET_STUDY_LLM_BASE_URL", base_url)
@@ -115,8 +115,8 @@ def test_a_valid_proposal_is_accepted_with_its_rationale(tmp_path, redis_url, st
     assert asked["how"] == "llm" and asked["rationale"] == planned["rationale"]
 
 
-def test_the_prompt_carries_the_question_space_and_results(tmp_path, redis_url, study_model, monkeypatch):
-    study = llm_study(tmp_path, study_model)
+def test_the_prompt_carries_the_question_space_and_results(tmp_path, redis_url, tiny_model, monkeypatch):
+    study = llm_study(tmp_path, tiny_model)
     fixed = FixedLLM(json.dumps({"arms": [{"trainer.lr": 0.002}], "rationale": "r"}))
     with fixed as base_url:
         monkeypatch.setenv("JET_STUDY_LLM_BASE_URL", base_url)
@@ -129,9 +129,9 @@ def test_the_prompt_carries_the_question_space_and_results(tmp_path, redis_url, 
     assert body["arms_so_far"] == [] and body["budget"]["runs_left"] == 100
 
 
-def test_off_space_proposals_and_a_spent_budget_fall_back_to_the_sampler(tmp_path, redis_url, study_model,
+def test_off_space_proposals_and_a_spent_budget_fall_back_to_the_sampler(tmp_path, redis_url, tiny_model,
                                                                          monkeypatch):
-    study = llm_study(tmp_path, study_model)
+    study = llm_study(tmp_path, tiny_model)
     fixed = FixedLLM(json.dumps({"arms": [{"trainer.lr": 5.0}], "rationale": "go big"}))
     with fixed as base_url:
         monkeypatch.setenv("JET_STUDY_LLM_BASE_URL", base_url)
@@ -143,14 +143,14 @@ def test_off_space_proposals_and_a_spent_budget_fall_back_to_the_sampler(tmp_pat
         assert [d["how"] for d in decisions if d["kind"] == "ask"] == ["tpe"]
         # A budget smaller than one call: the endpoint is never called.
         (tmp_path / "poor").mkdir()
-        poor = llm_study(tmp_path / "poor", study_model, tokens=50)
+        poor = llm_study(tmp_path / "poor", tiny_model, tokens=50)
         _, decisions = anyio.run(ask_once, poor, redis_url)
     assert len(fixed.requests) == 1
     assert any("planner token budget" in d["why"] for d in decisions if d["kind"] == "planner_refused")
 
 
 @pytest.mark.slow
-def test_jets_gateway_serving_the_tiny_model_is_noise_and_falls_back(tmp_path, redis_url, study_model, monkeypatch):
+def test_jets_gateway_serving_the_tiny_model_is_noise_and_falls_back(tmp_path, redis_url, tiny_model, monkeypatch):
     # The planner's prompt is longer than the test model's 256-token context: this tiny model has 4096.
     served = init_model(tmp_path / "tiny4k", vocab_size=512, hidden_size=32, layers=2, heads=4, kv_heads=2,
                         max_position=4096, seed=0)
@@ -182,7 +182,7 @@ def test_jets_gateway_serving_the_tiny_model_is_noise_and_falls_back(tmp_path, r
 
         monkeypatch.setenv("JET_STUDY_LLM_BASE_URL", base_url)
         monkeypatch.setenv("JET_STUDY_LLM_API_KEY", anyio.run(an_episode_key))
-        study = llm_study(tmp_path, study_model)
+        study = llm_study(tmp_path, tiny_model)
         runner, decisions = anyio.run(ask_once, study, redis_url)
     finally:
         for p in procs:

@@ -14,8 +14,8 @@ from tests.study.test_study_faults import run_processes
 pytestmark = pytest.mark.slow
 
 
-def grid_study(tmp_path, study_model, name: str, budget: dict) -> tuple:
-    base_config(tmp_path, study_model, steps=3)
+def grid_study(tmp_path, tiny_model, name: str, budget: dict) -> tuple:
+    base_config(tmp_path, tiny_model, steps=3)
     path = write_study(tmp_path, {
         "name": name, "space": {"trainer.lr": {"choices": [2e-3, 1e-3]}}, "seeds": [0, 1],
         "metric": {"name": "train/lr", "window": 1},
@@ -25,10 +25,10 @@ def grid_study(tmp_path, study_model, name: str, budget: dict) -> tuple:
     return path, tmp_path / "studies" / name
 
 
-def test_max_runs_and_the_run_timeout_stop_the_study_with_the_reason(tmp_path, redis_url, study_model, study_procs):
+def test_max_runs_and_the_run_timeout_stop_the_study_with_the_reason(tmp_path, redis_url, tiny_model, study_procs):
     name = f"budget-{uuid.uuid4().hex[:6]}"
     # Two runs allowed, each stopped 12 s after it started (before its first step on this machine).
-    path, folder = grid_study(tmp_path, study_model, name, {"max_runs": 2, "run_timeout_s": 12})
+    path, folder = grid_study(tmp_path, tiny_model, name, {"max_runs": 2, "run_timeout_s": 12})
     p = study_procs.start("run", "run", str(path), "--workers", "2", "--redis-url", redis_url)
     assert p.wait(300) == 0
     st = study_state(redis_url, name)
@@ -47,9 +47,9 @@ def test_max_runs_and_the_run_timeout_stop_the_study_with_the_reason(tmp_path, r
     wait_until(lambda: not run_processes(name), 60, what="the timed-out runs' processes to end")
 
 
-def test_the_wall_clock_budget_refuses_every_launch(tmp_path, redis_url, study_model, study_procs):
+def test_the_wall_clock_budget_refuses_every_launch(tmp_path, redis_url, tiny_model, study_procs):
     name = f"wall-{uuid.uuid4().hex[:6]}"
-    path, folder = grid_study(tmp_path, study_model, name, {"max_wall_hours": 1e-6})  # 3.6 ms
+    path, folder = grid_study(tmp_path, tiny_model, name, {"max_wall_hours": 1e-6})  # 3.6 ms
     p = study_procs.start("run", "run", str(path), "--workers", "0", "--redis-url", redis_url)
     assert p.wait(120) == 0
     assert study_state(redis_url, name)["launched"] == {}

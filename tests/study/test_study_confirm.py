@@ -28,6 +28,8 @@ from jet.queues.consumer import Consumer, Settings
 from jet.study.messages import RunRequest, RunResult
 from tests.study.conftest import StudyProcs, base_config, study_state, write_study
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py: the process guard)
+
 
 def value(req: RunRequest) -> float:
     return {2e-3: 2.0, 1e-3: 1.0, 5e-4: 0.5}[req.params["trainer.lr"]] + 0.01 * req.seed
@@ -53,8 +55,8 @@ async def scripted_worker(url: str, study: str, done: anyio.Event) -> int:
     return handled
 
 
-def test_inconclusive_verdicts_start_confirmation_rounds_until_decided(tmp_path, redis_url, study_model):
-    base_config(tmp_path, study_model)
+def test_inconclusive_verdicts_start_confirmation_rounds_until_decided(tmp_path, redis_url, tiny_model):
+    base_config(tmp_path, tiny_model)
     name = f"confirm-{uuid.uuid4().hex[:6]}"
     fast, slow = {"trainer.lr": 2e-3}, {"trainer.lr": 1e-3}
     path = write_study(tmp_path, {

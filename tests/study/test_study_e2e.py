@@ -28,11 +28,11 @@ LONG_STEPS = 400
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, redis_url, study_model):
+def finished(tmp_path_factory, redis_url, tiny_model):
     folder = tmp_path_factory.mktemp("e2e")
-    base_config(folder, study_model, steps=STEPS)
+    base_config(folder, tiny_model, steps=STEPS)
     name = f"e2e-{uuid.uuid4().hex[:6]}"
-    good = str(study_model)
+    good = str(tiny_model)
     arm = lambda lr, path=good, steps=STEPS: {"trainer.lr": lr, "trainer.steps": steps, "models.0.path": path}  # noqa
     # arm 2 would run LONG_STEPS steps: it cannot finish before the prune at rung 2 lands, however fast it runs
     arms = [arm(2e-3), arm(1e-3), arm(1e-5, steps=LONG_STEPS), arm(2e-3, path="/nonexistent/tiny")]

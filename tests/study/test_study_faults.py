@@ -58,9 +58,9 @@ def run_processes(study: str) -> list[int]:
     return pids
 
 
-def test_sigkilled_worker_and_runner_lose_nothing_and_run_nothing_twice(tmp_path, redis_url, study_model,
+def test_sigkilled_worker_and_runner_lose_nothing_and_run_nothing_twice(tmp_path, redis_url, tiny_model,
                                                                        study_procs):
-    base_config(tmp_path, study_model, steps=STEPS)
+    base_config(tmp_path, tiny_model, steps=STEPS)
     name = f"faults-{uuid.uuid4().hex[:6]}"
     fast, slow = {"trainer.lr": 2e-3}, {"trainer.lr": 1e-3}
     path = write_study(tmp_path, {

@@ -3,7 +3,7 @@
 `jet study run` (no --redis-url) starts its Valkey in the study folder (AOF,
 fsync every second). A scripted study worker (the same consumer commit as
 `jet study worker`: ack + marker + result in one Lua call) finishes the first
-two runs; after more than a second (the AOF's fsync window), the runner and the
+two runs; once the AOF is fsynced past them (WAITAOF), the runner and the
 server are SIGKILLed. `jet study resume NAME` starts a new server on the same
 data: both results are there, unchanged, the runs in flight are still pending
 (their requests were never acked), and the study ends with every run counted
@@ -55,8 +55,19 @@ async def finish(url: str, study: str, n: int, name: str) -> list[str]:
     return done
 
 
-def test_a_crash_of_runner_and_redis_loses_nothing(tmp_path, study_model):
-    base_config(tmp_path, study_model)
+async def fsynced(url: str) -> None:
+    """Until the server has fsynced its AOF past every write so far: WAITAOF after a write of our own, which
+    the AOF holds after every earlier write (the server fsyncs once a second)."""
+    r = await connect(url)
+    try:
+        await r.set("test:fsync-fence", 1)
+        assert (await r.execute_command("WAITAOF", 1, 0, 10_000))[0] == 1, "the AOF was not fsynced in 10 s"
+    finally:
+        await r.aclose()
+
+
+def test_a_crash_of_runner_and_redis_loses_nothing(tmp_path, tiny_model):
+    base_config(tmp_path, tiny_model)
     name = f"crash-{uuid.uuid4().hex[:6]}"
     path = write_study(tmp_path, {
         "name": name, "space": {"trainer.lr": {"choices": [2e-3, 1e-3]}}, "seeds": [0, 1],
@@ -70,7 +81,7 @@ def test_a_crash_of_runner_and_redis_loses_nothing(tmp_path, study_model):
         first = anyio.run(finish, info["url"], name, 2, "scripted-a")
         wait_until(lambda: len(study_state(info["url"], name)["launched"]) == 4, 60, what="the next two launches")
         before = {r.run: r for r in study_state(info["url"], name)["results"]}
-        time.sleep(2.5)  # past the AOF's one-second fsync window
+        anyio.run(fsynced, info["url"])  # everything the runner wrote is in the AOF on disk
         runner.send_signal(signal.SIGKILL)
         runner.wait()
         os.kill(info["pid"], signal.SIGKILL)
@@ -101,8 +112,8 @@ def test_a_crash_of_runner_and_redis_loses_nothing(tmp_path, study_model):
                     os.kill(pid, signal.SIGTERM)
 
 
-def test_stop_pauses_the_study_and_resume_continues_it(tmp_path, redis_url, study_model):
-    base_config(tmp_path, study_model)
+def test_stop_pauses_the_study_and_resume_continues_it(tmp_path, redis_url, tiny_model):
+    base_config(tmp_path, tiny_model)
     name = f"pause-{uuid.uuid4().hex[:6]}"
     path = write_study(tmp_path, {
         "name": name, "space": {"trainer.lr": {"choices": [2e-3, 1e-3]}}, "seeds": [0, 1],
@@ -116,7 +127,7 @@ def test_stop_pauses_the_study_and_resume_continues_it(tmp_path, redis_url, stud
         assert runner.wait(60) == 0
         assert "ended: paused" in (folder / "report.md").read_text()
         launched = len(study_state(redis_url, name)["launched"])
-        time.sleep(2)
+        time.sleep(2)  # a window to watch for launches (an absence: no condition to await)
         assert len(study_state(redis_url, name)["launched"]) == launched  # nothing launches while paused
         resumed = procs.start("resume", "resume", name, "--workers", "0", *where)
         rest = anyio.run(finish, redis_url, name, 3, "scripted-b")

@@ -12,7 +12,7 @@ Then a trainer restarts on the same run and finishes: the ledger must hold
 every entry exactly once, every trainable trajectory trained exactly once,
 the acked set equal to the ledger's, nothing pending.
 
-A second test is issue 11's deterministic repro: one good group, a
+A second test is the deterministic repro of a ledger bug: one good group, a
 checkpoint, then four failed trajectories and SIGTERM: the stop's checkpoint
 of the same step must add the four, not replace the group's two.
 """

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from jet.trainer.dist import Comm, collective_device
@@ -68,6 +69,7 @@ def test_collectives_go_to_the_device_of_the_groups_backend(monkeypatch):
     assert alone.sum(torch.ones(2)).tolist() == [1.0, 1.0] and alone.max(2.5) == 2.5  # no group: no collective
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_receive_rank_zeros_rows_exactly(tmp_path):
     port = free_port()
     out = tmp_path / "received"

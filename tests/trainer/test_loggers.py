@@ -89,6 +89,7 @@ def offline(monkeypatch):
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
 
 
+@pytest.mark.slow
 def test_every_logger_gets_the_steps_and_a_resume_continues_the_same_runs(tmp_path, offline):
     config = {"trainer": {"lr": 0.1}}
     m = Metrics(tmp_path, loggers=ALL, name="demo/tiny", config=config)

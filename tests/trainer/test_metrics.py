@@ -27,6 +27,7 @@ def test_resume_drops_lines_past_the_checkpoint_and_a_torn_line(tmp_path):
     assert read(tmp_path / "metrics.jsonl") == []
 
 
+@pytest.mark.slow  # matplotlib runs fc-list the first time it builds its font cache
 def test_jet_plot_writes_the_four_curves(tmp_path):
     run = tmp_path / "runs" / "demo"
     m = Metrics(run / "trainer" / "tiny")
@@ -55,6 +56,7 @@ def test_jet_train_names_the_trainable_models(tmp_path, tiny_model):
     assert bad.exit_code == 1 and "trainer.lr: expected float, got 'fast'" in bad.output
 
 
+@pytest.mark.slow
 def test_the_trainer_cli_starts_quickly_without_torch():
     code = "import sys, jet.trainer.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,8 +3,8 @@
 Against a real Redis and the real trainer loop on a tiny model:
 - a trajectory with a token id outside the vocabulary is dead-lettered alone
   on intake with that reason; its group trains on without it, and so does
-  every other group (issue 11, item 3);
-- long episodes (issue 12, item 4): a tree larger than the micro-batch whose
+  every other group;
+- long episodes: a tree larger than the micro-batch whose
   paths fit is split; a path longer than the micro-batch is truncated
   (`overlong: truncate`, counted) or dead-lettered alone
   (`overlong: dead_letter`);

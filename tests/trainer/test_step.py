@@ -39,6 +39,37 @@ def test_one_step_changes_every_trainable_parameter(tiny_model):
     assert all(torch.equal(p, before[n]) for n, p in b.ref.named_parameters())
 
 
+def test_a_bfloat16_step_on_cpu_changes_every_parameter_and_publishes_bfloat16_weights(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from jet.trainer.weights import write_weights
+    from jet.workers.hf_backend import HFBackend
+
+    cfg = TrainerConfig(lr=1e-3, dtype="bfloat16", device="cpu")
+    b = TorchBackend(str(tiny_model), cfg)
+    before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")
+    stats = b.train_step(pack(inputs.samples, 64), inputs, lr=cfg.lr)
+    assert stats.tokens == 7 and stats.grad_norm > 0 and torch.isfinite(torch.tensor(stats.loss))
+    unchanged = [n for n, p in b.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+    assert unchanged == [], f"parameters not updated: {unchanged}"
+    assert {p.dtype for p in b.model.parameters()} == {torch.float32}, "master weights stay float32"
+
+    sha = write_weights(b.model, tmp_path / "v1", cfg.dtype)
+    full = write_weights(b.model, tmp_path / "f32", "float32")
+    published = load_file(tmp_path / "v1" / "model.safetensors")
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}, "published weights follow trainer.dtype"
+    size = {v: (tmp_path / v / "model.safetensors").stat().st_size for v in ("v1", "f32")}
+    assert size["v1"] < 0.6 * size["f32"]
+    assert sha != full
+    worker = HFBackend(tiny_model)  # a float32 inference worker loads them, cast to its dtype
+    worker.load_weights(tmp_path / "v1", sha, 1)
+    live = dict(b.model.named_parameters())
+    for name, t in worker.model.state_dict().items():
+        if name in live:
+            assert torch.equal(t, live[name].detach().to(torch.bfloat16).float()), name
+
+
 def test_a_checkpoint_round_trips_model_optimiser_and_rng(tiny_model, tmp_path):
     cfg = TrainerConfig(lr=1e-3)
     inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")

@@ -1,5 +1,5 @@
-"""Fixtures of the worker tests: a tiny model, configs, enqueueing and reading trajectories back, and
-worker processes (`procs`) whose logs a failing test's report shows."""
+"""Fixtures of the worker tests (the model is tests/conftest.py's tiny_model): configs, enqueueing and
+reading trajectories back, and worker processes (`procs`) whose logs a failing test's report shows."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import yaml
 
 from jet.config import load_file
 from jet.keys import Keys
-from jet.models import init_model
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.producer import Producer
@@ -25,12 +24,6 @@ from jet.wire import Task, Trajectory
 from ..queues.helpers import eventually
 
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    return init_model(tmp_path_factory.mktemp("model") / MODEL, vocab_size=512, hidden_size=32, layers=2,
-                      heads=4, kv_heads=2, max_position=256, seed=0)
 
 
 def write_config(path: Path, run: str, model_dir: Path, tasks: list[dict], **queues):

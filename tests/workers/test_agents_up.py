@@ -1,19 +1,28 @@
-"""The framework tasks trained by a short `jet up` (issue 15): LangChain ("units"), the OpenAI Agents SDK on
+"""The framework tasks trained by a short `jet up` (docs/gateway.md): LangChain ("units"), the OpenAI Agents SDK on
 the Responses API and on chat completions ("lookup"), plain httpx ("spell"), each its own task of one run on
 the random tiny model: real role processes (inference, env worker with its embedded gateway, trainer), a few
-optimiser steps, and every task's trajectories holding tokens recorded through the gateway.
+optimiser steps, every task's trajectories holding tokens recorded through the gateway and trained on, a
+finite loss at every step, and published weights that differ from the initial model's in every tensor.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import anyio
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
+
+from jet.queues import codec
+from jet.queues.connect import connect
+from jet.wire import WeightVersion
 
 from .conftest import MODEL, trajectories
 from .test_arith import long_model  # noqa: F401 - a fixture
@@ -56,3 +65,22 @@ def test_jet_up_trains_every_framework_task(redis_url, keys, tmp_path, long_mode
             assert t.meta["calls"] > 0 and t.samples, (name, t.meta)
             assert all(len(s.tokens) > 0 and sum(s.mask) > 0 for s in t.samples)
         assert sum(m.get(f"train/{name}/groups", 0) for m in metrics[-1:]) > 0, (name, metrics[-1])
+    # Trained: every step has a finite loss, and the weights the trainer published last (one version per
+    # step) differ from the initial model's in every tensor.
+    steps = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1)), metrics
+    assert all(math.isfinite(m["train/loss"]) for m in steps), steps
+    announced = anyio.run(weight_versions, redis_url, keys)
+    assert [(w.version, w.step) for w in announced][-1] == (STEPS, STEPS), announced
+    before = load_file(long_model / "model.safetensors")
+    after = load_file(Path(announced[-1].path) / "model.safetensors")
+    assert set(after) <= set(before) and after, (sorted(before), sorted(after))
+    assert [n for n in after if torch.equal(after[n], before[n])] == [], "tensors the training did not change"
+
+
+async def weight_versions(url, keys) -> list[WeightVersion]:
+    r = await connect(url)
+    try:
+        return [WeightVersion.from_payload(codec.decode(f)) for _, f in await r.xrange(keys.weights(MODEL))]
+    finally:
+        await r.aclose()

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from jet.workers.cli import worker
@@ -17,6 +18,7 @@ def test_worker_group_lists_env_and_infer():
     assert "--drain-timeout" in CliRunner().invoke(worker, ["env", "--help"]).output
 
 
+@pytest.mark.slow
 def test_worker_modules_import_no_torch():
     code = ("import sys, jet.workers.cli, jet.workers.env, jet.workers.infer, jet.llm, jet.tasks.guess; "
             "heavy = sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)); "

@@ -1,4 +1,4 @@
-"""A two-task cocktail over a real run (issue 6): one task's workers under a separate
+"""A two-task cocktail over a real run (docs/swarm.md): one task's workers under a separate
 virtual env, both tasks training one model, mixed 3:1 by groups.
 
 Real processes: an inference worker, the env worker supervisor (which starts the

@@ -430,6 +430,7 @@ async def test_standalone_gateway_calls_reach_the_session(redis_url, keys, cfg, 
     await r.aclose()
 
 
+@pytest.mark.slow
 def test_jet_gateway_command_binds_loopback_and_drains(redis_url, keys, tmp_path, tiny_model):
     write_config(tmp_path / "c.yaml", keys.run, tiny_model, [{"name": "t", "workflow": "a.b:c"}])
     env = {**os.environ, "JET_REDIS_URL": redis_url, "JET_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}

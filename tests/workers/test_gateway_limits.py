@@ -1,4 +1,4 @@
-"""The gateway's memory is bounded (issue 11, item 4), measured from the process: a standalone `jet gateway`
+"""The gateway's memory is bounded (docs/gateway.md), measured from the process: a standalone `jet gateway`
 subprocess, its peak resident set (VmHWM in /proc/<pid>/status) read before and after
 
 - oversized bodies: a 14 MB chat body (under the 16 MiB cap) is refused with 400 context_length_exceeded
@@ -7,7 +7,7 @@ subprocess, its peak resident set (VmHWM in /proc/<pid>/status) read before and 
   429 with Retry-After (never a 503), and the held requests complete once inference runs;
 - more concurrent requests than redis-py's default pool of 100 connections, all answered 200.
 
-The bound asserted is the one the README documents: MEMORY_BOUND_MB over the process's own resident set after
+The bound asserted is the one docs/gateway.md documents: MEMORY_BOUND_MB over the process's own resident set after
 start-up, whatever the load.
 """
 
@@ -36,7 +36,8 @@ from jet.workers.gateway_episodes import Episodes
 from .conftest import MODEL, ROOT, wait_for, write_config
 from .test_gateway import ScriptedBackend
 
-MEMORY_BOUND_MB = 200  # the README's bound: peak resident set over the gateway's own after start-up
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py: the process guard)
+MEMORY_BOUND_MB = 200  # docs/gateway.md's bound: peak resident set over the gateway's own after start-up
 USER = {"role": "user", "content": "Hi"}
 
 

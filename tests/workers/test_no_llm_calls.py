@@ -1,4 +1,4 @@
-"""An env worker flags, counts and warns about episodes that recorded no LLM call (issue 14, item 4)."""
+"""An env worker flags, counts and warns about episodes that recorded no LLM call."""
 
 from __future__ import annotations
 

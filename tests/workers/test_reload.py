@@ -1,4 +1,4 @@
-"""Live code iteration (issue 6): `jet worker env -n 2` rolls onto new workflow code on SIGHUP.
+"""Live code iteration (docs/swarm.md): `jet worker env -n 2` rolls onto new workflow code on SIGHUP.
 
 Real processes on a real server: a steady stream of tasks, the workflow's
 source is changed mid-run and the supervisor is sent SIGHUP. Checked: every

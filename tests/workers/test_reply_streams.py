@@ -1,4 +1,4 @@
-"""Reply streams never outlive their client (issue 12, item 5): a reply to a vanished client is dropped
+"""Reply streams never outlive their client: a reply to a vanished client is dropped
 and counted, and after drains and rolling reloads of env workers with requests in flight no reply
 stream is left without a TTL."""
 

@@ -1,4 +1,4 @@
-"""Per-task runtimes (issue 6): one task's workers run under another virtual environment.
+"""Per-task runtimes (docs/swarm.md): one task's workers run under another virtual environment.
 
 Two tasks of one run train one model: `mine` runs in the env worker's own
 interpreter with `jetconflict` 1.0 on its `runtime.cwd`, `theirs` runs under a

@@ -1,4 +1,4 @@
-"""Shadow mode (issue 6): `jet worker env --shadow` plays every new task next to the live workers.
+"""Shadow mode (docs/swarm.md): `jet worker env --shadow` plays every new task next to the live workers.
 
 Real processes on a real server. Checked: shadow trajectories land only in
 `shadow:<model>` (tagged shadow, from the shadow consumer), the live workers

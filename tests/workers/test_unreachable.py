@@ -1,5 +1,5 @@
 """Roles waiting for an unreachable server obey SIGTERM (exit 0 with one line, no traceback), and a
-refused password ends a role at once with a one-line error and the fatal exit code (issue 11, item 5)."""
+refused password ends a role at once with a one-line error and the fatal exit code."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from jet.supervisor import EXIT_FATAL
 
 from .conftest import ROOT, write_config
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py: the process guard)
 ROLES = {
     "infer": ["-m", "jet.workers.infer"],
     "env": ["-m", "jet.workers.env"],

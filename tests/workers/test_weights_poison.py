@@ -1,4 +1,4 @@
-"""The poison policy of `weights:<model>` (issue 11), on a real inference worker process: crafted
+"""The poison policy of `weights:<model>` (docs/design.md, "Poison"), on a real inference worker process: crafted
 announcements are dead-lettered with their real reason, the worker keeps serving the weights it
 had, and after a SIGKILL and restart it never reads what it rejected again."""
 

@@ -170,6 +170,8 @@ const CHARTS = [
   ["KL", n => n === "train/kl"],
   ["Clip fraction", n => n === "train/clip_frac"],
   ["Staleness (versions)", n => n === "policy/staleness" || n === "policy/staleness_max"],
+  ["Trajectories: trained / stale / dropped (total)",
+   n => ["counts/trained", "counts/stale", "counts/small_group", "counts/failed", "counts/poison"].includes(n)],
   ["Throughput: tokens/s", n => n === "perf/tokens_per_s"],
   ["Throughput: steps/min", n => n === "perf/steps_per_min"],
   ["Groups trained per task", n => /^train\/.+\/groups$/.test(n)],
