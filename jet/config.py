@@ -33,14 +33,14 @@ from jet import configlib, rows
 from jet.configlib import Section, hint, invalid, problem
 from jet.errors import ConfigError
 from jet.keys import STREAM_KINDS as KEY_STREAM_KINDS, check_name
+from jet.runs import RunDir
 from jet.sources import hub_id, pinned, resolve_model
 
 __all__ = ["JetConfig", "QueueConfig", "ModelConfig", "TaskConfig", "RuntimeConfig", "TrainerConfig", "load",
            "load_file", "dump", "write_resolved", "redis_url", "check_models", "pins", "default_config_path",
-           "REDIS_URL_ENV", "RESOLVED_NAME"]
+           "REDIS_URL_ENV"]
 
 REDIS_URL_ENV = "JET_REDIS_URL"
-RESOLVED_NAME = "config.resolved.yaml"
 
 # Streams whose length `queues.maxlen` may bound (the kinds of `jet.keys.Keys`).
 STREAM_KINDS = KEY_STREAM_KINDS  # the kinds of `jet.keys.Keys` streams `queues.maxlen` may bound
@@ -61,13 +61,13 @@ def _function(value: str | None) -> str | None:
     return value
 
 
-def _is_path(dataset: str) -> bool:
+def is_dataset_path(dataset: str) -> bool:
     """A dataset is read by jet.rows (a file, a folder or a Hub dataset) unless it is a built-in name."""
     return rows.kind(dataset) != "builtin"
 
 
 def _dataset(value: str) -> str:
-    return value if _is_path(value) else check_name("dataset", value)  # kind() raises on a bad '?' query
+    return value if is_dataset_path(value) else check_name("dataset", value)  # kind() raises on a bad '?' query
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -130,7 +130,7 @@ class ModelConfig(Section):
     """Generation requests one inference worker decodes at once, each answered as it completes (requests)."""
     threads: PositiveInt | None = None
     """CPU threads of this model's inference worker on device 'cpu' (torch intra-op threads); None: `jet up`
-    gives it its share of the cores (jet.up.thread_shares), a worker started alone keeps torch's default."""
+    gives it its share of the cores (jet.cli.up.thread_shares), a worker started alone keeps torch's default."""
     request_timeout_s: PositiveFloat = 300.0
     """Longest wait of one generation call of this model, queueing and decoding included (s): then the call
     raises GenerationTimeout, and a worker that had not started the request drops it (jet.llm)."""
@@ -232,7 +232,7 @@ class TrainerConfig(Section):
     """Torch device of the trainer ('cpu', 'cuda'); deepspeed ranks on 'cuda' use cuda:<local rank>."""
     threads: PositiveInt | None = None
     """CPU threads of this trainer on device 'cpu' (torch intra-op threads); None: `jet up` gives it its
-    share of the cores (jet.up.thread_shares), a trainer started alone keeps torch's default."""
+    share of the cores (jet.cli.up.thread_shares), a trainer started alone keeps torch's default."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of forward/backward: 'bfloat16' autocasts over float32 master weights (torch backend,
     CPU or CUDA) or runs DeepSpeed's bf16 mode (its optimiser keeps float32 master weights); logprobs stay
@@ -398,7 +398,7 @@ def _resolve_paths(cfg: JetConfig, base: Path) -> JetConfig:
 
     def dataset(d: str) -> str:  # a file or folder resolved, its '?query' kept; a Hub id as it is
         where, _, query = d.partition("?")
-        if not _is_path(d) or (rows.kind(d) == "hf" and hub_id(where) and not (base / where).exists()):
+        if not is_dataset_path(d) or (rows.kind(d) == "hf" and hub_id(where) and not (base / where).exists()):
             return d
         return resolve(where) + (f"?{query}" if query else "")
 
@@ -454,7 +454,7 @@ def dump(cfg: Section) -> dict:
 def write_resolved(cfg: JetConfig, run_dir: str | os.PathLike) -> Path:
     """Write `<run_dir>/config.resolved.yaml`, every field spelled out, and return its path."""
     header = "# Resolved Jet config of this run: every field, defaults and --set overrides applied.\n"
-    return configlib.write_yaml(dump(cfg), Path(run_dir) / RESOLVED_NAME, header)
+    return configlib.write_yaml(dump(cfg), RunDir.at(run_dir).resolved_config, header)
 
 
 def redis_url(cli: str | None = None) -> str | None:

@@ -59,21 +59,17 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-class _Meta(type(pydantic.BaseModel)):
-    # `TrainerConfig(lr=-1.0)` raises the ConfigError a file would; pydantic builds nested sections
-    # without calling the class, so only direct calls come through here.
-    def __call__(cls, *args, **kwargs):
-        try:
-            return super().__call__(*args, **kwargs)
-        except pydantic.ValidationError as err:
-            raise translate(err, cls) from None
-
-
-class Section(pydantic.BaseModel, metaclass=_Meta):
+class Section(pydantic.BaseModel):
     """A config section; the docstring under each field is its description."""
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True,
                                        ser_json_inf_nan="constants")
+
+    @classmethod
+    def of(cls, **values: Any) -> Any:
+        """A section from keyword values, as a file's would be checked: one ConfigError naming the key
+        (a plain `TrainerConfig(lr=...)` raises pydantic's ValidationError)."""
+        return validate(cls, values)
 
     @pydantic.model_validator(mode="before")
     @classmethod

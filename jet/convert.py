@@ -65,13 +65,13 @@ def convert(file: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     plain.generation_config = quantised.generation_config
     if not tokenizer.chat_template:
         raise ConfigError(f"{file}: holds no chat template (tokenizer.chat_template); Jet's roles need one")
-    from jet.models import _portable_tokenizer_config
+    from jet.models import portable_tokenizer_config
 
     tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unbounded
     out = Path(out)
     plain.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out, save_jinja_files=False)  # the chat template inline in tokenizer_config.json
-    _portable_tokenizer_config(out / "tokenizer_config.json")  # also for the older transformers vLLM pins
+    portable_tokenizer_config(out / "tokenizer_config.json")  # also for the older transformers vLLM pins
     return out
 
 

@@ -11,7 +11,7 @@ as `jet bench trl` does).
 
 A published version holds only `model.safetensors` and `config.json`; its tokenizer and
 generation settings come from the model the run trained (`runs/<run>/config.resolved.yaml`), and
-its tensors are loaded as an inference worker loads them (`jet.workers.hf_backend`).
+its tensors are loaded as an inference worker loads them (`jet.workers.inference.hf`).
 
 What it is not: an agent run. The prompt is the task's own first message list rendered by the
 tokenizer's template; multi-turn agents are evaluated by running them (`jet up --episodes`).
@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import importlib
 import math
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
+from jet.runs import RunDir, weight_version_of
+from jet.wire import WEIGHTS_FILE
 from jet.errors import ConfigError
 
-_VERSION = re.compile(r"^v(\d+)$")
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -56,26 +56,28 @@ def task_module(name: str) -> Any:
 
 
 def published_version(path: Path) -> tuple[Path, str, int] | None:
-    """(run folder, model name, version) when `path` is `<run>/weights/<model>/v<N>`, else None."""
-    m = _VERSION.match(path.name)
-    if not m or path.parent.parent.name != "weights" or not (path / "model.safetensors").is_file():
+    """(run folder, model name, version) when `path` is `<run>/weights/<model>/v<N>` with its weights,
+    else None."""
+    found = weight_version_of(path)
+    if found is None or not (path / WEIGHTS_FILE).is_file():
         return None
-    return path.parent.parent.parent, path.parent.name, int(m.group(1))
+    run, model, version = found
+    return run.root, model, version
 
 
 def load(spec: str, device: str, dtype: str = "float32") -> tuple[Any, Any, str]:
     """(backend, tokenizer, what was loaded) for a folder, a Hub id or a published version: the backend
-    is an inference worker's (`jet.workers.hf_backend.HFBackend`), weights loaded as it loads them."""
+    is an inference worker's (`jet.workers.inference.hf.HFBackend`), weights loaded as it loads them."""
     from jet.sources import resolve_model
     from jet.tokenizer import load_tokenizer
-    from jet.workers.hf_backend import HFBackend
+    from jet.workers.inference.hf import HFBackend
 
     version = published_version(Path(spec)) if Path(spec).is_dir() else None
     if version is not None:
         run_dir, name, v = version
         import yaml
 
-        resolved = run_dir / "config.resolved.yaml"
+        resolved = RunDir.at(run_dir).resolved_config
         if not resolved.is_file():
             raise ConfigError(f"--model: {spec} is a published version but {resolved} is missing")
         models = {m["name"]: m for m in yaml.safe_load(resolved.read_text()).get("models", [])}
@@ -94,7 +96,7 @@ def load(spec: str, device: str, dtype: str = "float32") -> tuple[Any, Any, str]
 def evaluate(spec: str, task: str, n: int = 100, *, seed: int = 0, device: str = "cpu", batch: int = 16,
              max_tokens: int = 24, loaded: tuple[Any, Any, str] | None = None) -> dict:
     """Greedy accuracy of `spec` on the first `n` evaluation rows of `task` (see the module docstring)."""
-    from jet.workers.hf_backend import SamplingParams
+    from jet.workers.inference.backend import SamplingParams
 
     module = task_module(task)
     rows = module.eval_rows(n, seed)

@@ -6,7 +6,7 @@ transformers, numpy, scipy, optuna, matplotlib or prometheus-client. The roles t
 their extra here (pyproject.toml's `[project.optional-dependencies]` lists the same names), and a
 role started without it ends with `require`'s one line instead of a traceback from deep inside.
 
-Invariant: `tests/test_packaging.py` checks that every module named here is in the extra's
+Invariant: `tests/cli/test_packaging.py` checks that every module named here is in the extra's
 requirements, so this table and pyproject cannot drift apart silently.
 """
 

@@ -64,7 +64,7 @@ class Keys:
     def rollout(self, model: str) -> str:
         """Hash: what entered and left `model`'s training: `admitted` (trajectories the feeder let in,
         HINCRBY) and `counts` (the trainer's outcome counts as JSON, rewritten after every step).
-        The feeder's staleness-aware admission reads both (`jet.feed`)."""
+        The feeder's staleness-aware admission reads both (`jet.cli.feed`)."""
         return f"{self.prefix}rollout:{check_name('model', model)}"
 
     def calls(self, episode_id: str, tag: str) -> str:

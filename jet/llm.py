@@ -12,7 +12,7 @@ What it is:
   needs); `generate` is the raw token-ids path, recorded the same way.
   An env worker also gives each session the base URL and API key of its
   OpenAI-compatible gateway (`openai_base_url`, `openai_api_key`,
-  `openai_client()`; see `jet.workers.gateway`), so agents written against an
+  `openai_client()`; see `jet.workers.gateway.app`), so agents written against an
   OpenAI SDK are recorded into the same episode.
 
 Delivery choices:
@@ -39,7 +39,7 @@ Delivery choices:
   dead-lettered after `max_deliveries` (it crashed the workers) gets no reply:
   sending it again would only crash them again. A worker that reads a request after
   its deadline drops it undecoded; one that reads a copy of a request it is
-  decoding joins the first (jet.workers.infer), and the idempotency marker
+  decoding joins the first (jet.workers.inference.worker), and the idempotency marker
   acks any later copy without a reply. A second reply for a resolved request
   is ignored. No reply by the deadline raises GenerationTimeout.
 
@@ -334,7 +334,7 @@ class Session:
         self.undelivered: list[Call] = []  # answered, but the client never received them: never trained
         self.info: dict[str, Any] = {}
         self.tag = uuid.uuid4().hex[:16]  # this run of the episode (a redelivered task's re-run gets another)
-        # Set by the env worker's gateway (jet.workers.gateway) so OpenAI-SDK agents reach this episode:
+        # Set by the env worker's gateway (jet.workers.gateway.app) so OpenAI-SDK agents reach this episode:
         self.openai_base_url: str | None = None  # e.g. http://127.0.0.1:PORT/v1
         self.openai_api_key: str | None = None  # the key of (self.model, self.agent)
         self.mint_key: Callable[[str, str], str] | None = None  # (model, agent) -> a key of this episode

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import click
 
-from jet.convert import cli as convert_cli
+from jet.cli.options import LazyGroup
 from jet.errors import ConfigError
 
 # Qwen2 / Llama-3 style split: words, single digits, punctuation runs, spaces.
@@ -253,7 +253,7 @@ def init_model(
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out, save_jinja_files=False)
-    _portable_tokenizer_config(out / "tokenizer_config.json")
+    portable_tokenizer_config(out / "tokenizer_config.json")
     return out
 
 
@@ -277,7 +277,7 @@ def _config(arch, tokenizer, family, hidden_size, layers, heads, kv_heads, max_p
     )
 
 
-def _portable_tokenizer_config(path: Path) -> None:
+def portable_tokenizer_config(path: Path) -> None:
     # transformers 5 writes its own class name (TokenizersBackend); older
     # transformers (as pinned by vLLM) only know PreTrainedTokenizerFast.
     data = json.loads(path.read_text())
@@ -294,9 +294,9 @@ def _family(template: str) -> dict:
     return TEMPLATES[template]
 
 
-@click.group()
+@click.group(cls=LazyGroup, lazy={"convert": ("jet.convert:cli", "Write a GGUF model file as a Hugging Face folder.")})
 def cli() -> None:
-    """Build tiny local models and tokenizers."""
+    """Build tiny local models and tokenizers; convert GGUF files."""
 
 
 @cli.command("init")
@@ -322,5 +322,3 @@ def init(out_dir, arch, template, hidden, layers, heads, kv_heads, vocab_size, m
     )
     click.echo(str(path))
 
-
-cli.add_command(convert_cli)  # jet model convert FILE.gguf --out DIR

@@ -12,7 +12,7 @@ What a dataset string is (`kind`):
 Every row, whatever its source, is validated the way a JSONL line is: an object whose values are
 JSON values (no NaN, bytes, dates...), else a ConfigError naming the file (or dataset) and row.
 
-What it is not: the built-in datasets (jet.tasks) or the writer of Task messages (jet.enqueue).
+What it is not: the built-in datasets (jet.tasks) or the writer of Task messages (jet.cli.enqueue).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import math
 import os
 from typing import Any, Iterator
 from urllib.parse import parse_qsl
+
+import orjson
 
 from jet.errors import ConfigError
 
@@ -64,13 +66,26 @@ def numbered(dataset: str) -> Iterator[tuple[str, dict]]:
     if k in FILE_KINDS.values() and not os.path.isfile(dataset):
         raise ConfigError(f"{dataset}: no such file")
     if k == "jsonl":
-        from jet.enqueue import numbered_rows
-
-        yield from ((f"{dataset}:{n}", row) for n, row in numbered_rows(dataset))
+        yield from _jsonl(dataset)
         return
     reader = {"parquet": _parquet, "csv": _csv, "hf": _hf}[k]
     for where, row in reader(dataset):
         yield where, check_row(where, row)
+
+
+def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
+    """(file:line, row) of each non-blank line of a JSONL file; a bad line raises ConfigError naming it."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
+            yield f"{path}:{n}", row
 
 
 def read(dataset: str) -> list[dict]:

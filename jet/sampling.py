@@ -1,7 +1,7 @@
 """The sampling distribution, defined once: what inference draws from and what the trainer recomputes.
 
 What it is: pure tensor functions (torch imported inside) shared by the hf
-inference backend (`jet.workers.hf_backend`) and the trainer
+inference backend (`jet.workers.inference.hf`) and the trainer
 (`jet.trainer.losses`), which may not import each other. A completion token
 drawn with temperature T > 0 and nucleus mass top_p is drawn from
 
@@ -20,7 +20,7 @@ to float noise. The nucleus is found in float64 from the float32 log_softmax,
 as the sampler does; the trainer always keeps the sampled token in its replay
 (a token at the nucleus boundary can fall out by float noise in the logits).
 
-What it is not: a sampler (the draw itself is `jet.workers.hf_backend._sample`)
+What it is not: a sampler (the draw itself is `jet.workers.inference.hf._sample`)
 and it knows nothing of greedy decoding: temperature 0 is handled by callers
 (the sampler takes the argmax; `jet.timeline` never trains such tokens).
 Top-k is not supported anywhere in Jet.

@@ -1,11 +1,13 @@
-"""Every message that crosses a stream: frozen dataclasses with an explicit kind.
+"""Every message that crosses a stream, each declared once: a msgspec Struct with an explicit kind.
 
-Each type encodes to an entry field map with `to_fields()` and decodes with
-`from_payload(payload)`; the layout (schema version, orjson metadata, raw
-int32/float32 arrays) is `jet.queues.codec`'s. Decoding validates the metadata
-against a msgspec schema per kind (strict types, the field named in the error)
-and raises `CodecError` only, which consumers turn into a dead letter with the
-reason.
+A message's fields are its wire format: `to_fields()` writes every field into an entry
+(`jet.queues.codec`'s layout: schema version, orjson metadata, raw int32/float32 arrays) and
+`from_payload(payload)` reads one back, validating the metadata against the same declaration
+(msgspec: strict types, a bool is no int, a string no number, an int is accepted where a float is
+asked; absent fields take their defaults, so an older sender's entry still reads) and raising
+`CodecError` only, naming the field, which consumers turn into a dead letter with the reason. A field
+annotated `Array("name")` travels as the raw array `name` (int32, or float32 for `tuple[float, ...]`),
+never as a JSON list; `Trajectory`'s samples travel as concatenated columns (below).
 
 Messages are facts:
 - `Task`: a unit of rollout work (one member of a GRPO group, one attempt);
@@ -13,21 +15,21 @@ Messages are facts:
 - `WeightVersion`: new weights of a model are on disk;
 - `Trajectory`: a finished or failed episode: its reward and merged samples.
 
-Token ids and logprobs travel as raw int32 / float32 arrays, never JSON lists.
-The request id of a generation is the GenRequest's `msg_id`: it stays the same
-across the client's retries, so the inference side's idempotency marker makes a
-retried request harmless, and a GenResult names the request it answers.
+The request id of a generation is the GenRequest's `msg_id`: it stays the same across the client's
+retries, so the inference side's idempotency marker makes a retried request harmless, and a GenResult
+names the request it answers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
+from msgspec.structs import force_setattr
 
 from jet.errors import CodecError
 from jet.queues import codec
@@ -36,94 +38,93 @@ from jet.timeline import Sample
 FINISH_REASONS = ("stop", "length", "error")
 
 
-# The metadata of each message kind as a msgspec schema: strict types (a bool is no int, a string no
-# number; an int is accepted where a float is asked), None where an optional field is absent. Token
-# arrays are not here: they travel as raw int32/float32 fields (`jet.queues.codec`).
+class Array:
+    """Annotation marker: this tuple field travels as the raw array `name` of the entry."""
 
+    __slots__ = ("name",)
 
-class _TaskMeta(msgspec.Struct):
-    task: str
-    row: dict[str, Any]
-    group_id: str
-    index: int
-    group_size: int
-    attempt: int | None = None
-
-
-class _GenRequestMeta(msgspec.Struct):
-    reply_to: str
-    model: str
-    temperature: float
-    top_p: float
-    max_tokens: int
-    stop_token_ids: list[int]
-    episode_id: str | None = None
-    agent: str | None = None
-    seed: int | None = None
-    deadline: float | None = None
-
-
-class _GenResultMeta(msgspec.Struct):
-    request_id: str
-    model: str
-    finish_reason: str
-    version: int
-    error: str | None = None
-    worker: str | None = None
-
-
-class _WeightVersionMeta(msgspec.Struct):
-    model: str
-    version: int
-    path: str
-    sha256: str
-    step: int | None = None
-
-
-class _TrajectoryMeta(msgspec.Struct):
-    task: str
-    group_id: str
-    index: int
-    episode_id: str
-    model: str
-    group_size: int
-    attempt: int
-    failed: bool
-    retry: bool
-    meta: dict[str, Any]
-    samples: list[Any]
-    reward: Any = None
-    error: str | None = None
-    traceback: str | None = None
+    def __init__(self, name: str):
+        self.name = name
 
 
 _WHERE = re.compile(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$")
 _MISSING = re.compile(r"^Object missing required field `([^`]*)`$")
 
 
-def _meta(p: codec.Payload, kind: str, schema: type[msgspec.Struct]):
-    """`p`'s metadata validated against `schema`; CodecError naming the field otherwise."""
-    if p.kind != kind:
-        raise CodecError(f"expected a {kind!r} message, got {p.kind!r}")
-    try:
-        return msgspec.convert(p.meta, schema)
-    except msgspec.ValidationError as e:
-        what, path = _WHERE.match(str(e)).groups()
-        missing = _MISSING.match(what)
-        if missing:
-            name = f"{path}.{missing.group(1)}" if path else missing.group(1)
-            raise CodecError(f"{kind}: missing required field {name!r}") from None
-        raise CodecError(f"{kind}: field {path!r}: {what[0].lower()}{what[1:]}") from None
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """The wire behaviour every message shares; subclasses declare `KIND` and their fields."""
+
+    KIND: ClassVar[str] = ""
+    _arrays: ClassVar[dict[type, tuple[tuple[str, str, str], ...]]] = {}  # class -> (field, array, code)
+
+    msg_id: str = msgspec.field(default_factory=codec.new_id)
+
+    @classmethod
+    def arrays(cls) -> tuple[tuple[str, str, str], ...]:
+        """(field, array name, 'i' or 'f') of each `Array` field, from the declaration (once per class)."""
+        found = Message._arrays.get(cls)
+        if found is None:
+            hints = typing.get_type_hints(cls, include_extras=True)
+            found = tuple((name, marker.name, "f" if float in typing.get_args(typing.get_args(hint)[0]) else "i")
+                          for name, hint in hints.items() if typing.get_origin(hint) is Annotated
+                          for marker in hint.__metadata__ if isinstance(marker, Array))
+            Message._arrays[cls] = found
+        return found
+
+    def to_fields(self, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> dict[bytes, bytes]:
+        meta = {name: getattr(self, name) for name in self.__struct_fields__ if name != "msg_id"}
+        ints, floats = {}, {}
+        for name, wire, code in self.arrays():
+            (floats if code == "f" else ints)[wire] = meta.pop(name)
+        self._encode_more(meta, ints, floats)
+        return codec.encode(self.KIND, meta, ints=ints, floats=floats, msg_id=self.msg_id, max_bytes=max_bytes)
+
+    @classmethod
+    def from_payload(cls, p: codec.Payload):
+        if p.kind != cls.KIND:
+            raise CodecError(f"expected a {cls.KIND!r} message, got {p.kind!r}")
+        meta = dict(p.meta)
+        meta["msg_id"] = p.msg_id
+        more = cls._decode_more(p, meta)
+        arrays = cls.arrays()
+        for name, _, _ in arrays:
+            meta[name] = ()  # set below, from the raw arrays
+        try:
+            out = msgspec.convert(meta, cls)
+        except msgspec.ValidationError as e:
+            raise _codec_error(cls.KIND, e) from None
+        for name, wire, _ in arrays:
+            if wire not in p.arrays:
+                raise CodecError(f"{cls.KIND}: missing array {wire!r}")
+            force_setattr(out, name, tuple(p.arrays[wire]))
+        for name, value in more.items():
+            force_setattr(out, name, value)
+        if arrays or more:
+            out.__post_init__()  # its checks again, now with the arrays
+        return out
+
+    def _encode_more(self, meta: dict, ints: dict, floats: dict) -> None:
+        """Fields with a wire layout of their own (a subclass's hook)."""
+
+    @classmethod
+    def _decode_more(cls, p: codec.Payload, meta: dict) -> dict[str, Any]:
+        """The values of fields with a layout of their own, taken out of `meta` (a subclass's hook)."""
+        return {}
+
+    def __post_init__(self) -> None:
+        pass
 
 
-def _array(p: codec.Payload, name: str, kind: str) -> tuple:
-    if name not in p.arrays:
-        raise CodecError(f"{kind}: missing array {name!r}")
-    return tuple(p.arrays[name])
+def _codec_error(kind: str, e: msgspec.ValidationError) -> CodecError:
+    what, path = _WHERE.match(str(e)).groups()
+    missing = _MISSING.match(what)
+    if missing:
+        name = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        return CodecError(f"{kind}: missing required field {name!r}")
+    return CodecError(f"{kind}: field {path!r}: {what[0].lower()}{what[1:]}")
 
 
-@dataclass(frozen=True, slots=True)
-class Task:
+class Task(Message, frozen=True):
     """One rollout to run: a dataset row, one member of a GRPO group."""
 
     KIND = "task"
@@ -133,37 +134,23 @@ class Task:
     group_id: str  # shared by the `group_size` copies of one row
     index: int = 0  # member index within the group
     group_size: int = 1
-    msg_id: str = field(default_factory=codec.new_id)
     attempt: int = 0  # 0 for the first run; a failed episode is re-queued with attempt + 1
 
-    def to_fields(self) -> dict[bytes, bytes]:
-        meta = {"task": self.task, "row": self.row, "group_id": self.group_id,
-                "index": self.index, "group_size": self.group_size, "attempt": self.attempt}
-        return codec.encode(self.KIND, meta, msg_id=self.msg_id)
 
-    @classmethod
-    def from_payload(cls, p: codec.Payload) -> "Task":
-        m = _meta(p, cls.KIND, _TaskMeta)
-        return cls(task=m.task, row=m.row, group_id=m.group_id, index=m.index, group_size=m.group_size,
-                   msg_id=p.msg_id, attempt=m.attempt or 0)
-
-
-@dataclass(frozen=True, slots=True)
-class GenRequest:
+class GenRequest(Message, frozen=True):
     """One LLM call: complete `prompt_ids` and reply to `reply_to`.
 
-    Sampling follows `jet.workers.hf_backend`: temperature 0 is greedy, top_p
-    in (0, 1], max_tokens is clipped to the model's context, the model's EOS ids
-    always stop. `deadline` (unix seconds, 0 = none) is when the caller stops
-    waiting: a worker that reaches the request later drops it undecoded, without
-    marking it done, so a copy sent again under the same msg_id is still served.
+    Sampling follows `jet.workers.inference.backend`: temperature 0 is greedy, top_p in (0, 1],
+    max_tokens is clipped to the model's context, the model's EOS ids always stop. `deadline` (unix
+    seconds, 0 = none) is when the caller stops waiting: a worker that reaches the request later drops
+    it undecoded, without marking it done, so a copy sent again under the same msg_id is still served.
     """
 
     KIND = "gen"
 
     reply_to: str  # the requesting process's reply stream key
     model: str
-    prompt_ids: tuple[int, ...]
+    prompt_ids: Annotated[tuple[int, ...], Array("prompt")] = ()
     episode_id: str = ""
     agent: str = ""
     temperature: float = 1.0
@@ -172,35 +159,17 @@ class GenRequest:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     deadline: float = 0.0
-    msg_id: str = field(default_factory=codec.new_id)  # the request id, kept across retries
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        force_setattr(self, "prompt_ids", tuple(self.prompt_ids))
+        force_setattr(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def request_id(self) -> str:
         return self.msg_id
 
-    def to_fields(self, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> dict[bytes, bytes]:
-        meta = {"reply_to": self.reply_to, "model": self.model, "episode_id": self.episode_id,
-                "agent": self.agent, "temperature": self.temperature, "top_p": self.top_p,
-                "max_tokens": self.max_tokens, "stop_token_ids": list(self.stop_token_ids),
-                "seed": self.seed, "deadline": self.deadline}
-        return codec.encode(self.KIND, meta, ints={"prompt": self.prompt_ids}, msg_id=self.msg_id,
-                            max_bytes=max_bytes)
 
-    @classmethod
-    def from_payload(cls, p: codec.Payload) -> "GenRequest":
-        m = _meta(p, cls.KIND, _GenRequestMeta)
-        return cls(reply_to=m.reply_to, model=m.model, prompt_ids=_array(p, "prompt", cls.KIND),
-                   episode_id=m.episode_id or "", agent=m.agent or "", temperature=m.temperature, top_p=m.top_p,
-                   max_tokens=m.max_tokens, stop_token_ids=tuple(m.stop_token_ids), seed=m.seed,
-                   deadline=m.deadline or 0.0, msg_id=p.msg_id)
-
-
-@dataclass(frozen=True, slots=True)
-class GenResult:
+class GenResult(Message, frozen=True):
     """The answer to one GenRequest.
 
     `logprobs[i]` is the logprob of the sampled token `token_ids[i]` under the
@@ -222,36 +191,21 @@ class GenResult:
 
     request_id: str  # the GenRequest's msg_id
     model: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    token_ids: Annotated[tuple[int, ...], Array("tokens")]
+    logprobs: Annotated[tuple[float, ...], Array("logprobs")]
     finish_reason: str  # "stop" | "length" | "error"
     version: int  # weight version that generated the tokens
     error: str | None = None
     worker: str = ""  # consumer name of the inference worker that answered
-    msg_id: str = field(default_factory=codec.new_id)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", tuple(self.token_ids))
-        object.__setattr__(self, "logprobs", tuple(self.logprobs))
+        force_setattr(self, "token_ids", tuple(self.token_ids))
+        force_setattr(self, "logprobs", tuple(self.logprobs))
         if self.finish_reason not in FINISH_REASONS:
             raise CodecError(f"{self.KIND}: finish_reason must be one of {FINISH_REASONS}, "
                              f"got {self.finish_reason!r}")
         if len(self.token_ids) != len(self.logprobs):
             raise CodecError(f"{self.KIND}: {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
-
-    def to_fields(self) -> dict[bytes, bytes]:
-        meta = {"request_id": self.request_id, "model": self.model, "finish_reason": self.finish_reason,
-                "version": self.version, "error": self.error, "worker": self.worker}
-        return codec.encode(self.KIND, meta, ints={"tokens": self.token_ids},
-                            floats={"logprobs": self.logprobs}, msg_id=self.msg_id)
-
-    @classmethod
-    def from_payload(cls, p: codec.Payload) -> "GenResult":
-        m, k = _meta(p, cls.KIND, _GenResultMeta), cls.KIND
-        return cls(request_id=m.request_id, model=m.model, token_ids=_array(p, "tokens", k),
-                   logprobs=_array(p, "logprobs", k), finish_reason=m.finish_reason, version=m.version,
-                   error=m.error, worker=m.worker or "",
-                   msg_id=p.msg_id)
 
 
 WEIGHTS_FILE = "model.safetensors"  # the weights file in a model or weights folder (trainer writes, backends load)
@@ -266,8 +220,7 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class WeightVersion:
+class WeightVersion(Message, frozen=True):
     """New weights of `model` are on disk at `path` (a safetensors file or a folder holding one)."""
 
     KIND = "weights"
@@ -277,25 +230,12 @@ class WeightVersion:
     path: str
     sha256: str  # hex digest of the safetensors file
     step: int = 0  # trainer step that produced them
-    msg_id: str = field(default_factory=codec.new_id)
-
-    def to_fields(self) -> dict[bytes, bytes]:
-        meta = {"model": self.model, "version": self.version, "path": self.path,
-                "sha256": self.sha256, "step": self.step}
-        return codec.encode(self.KIND, meta, msg_id=self.msg_id)
-
-    @classmethod
-    def from_payload(cls, p: codec.Payload) -> "WeightVersion":
-        m = _meta(p, cls.KIND, _WeightVersionMeta)
-        return cls(model=m.model, version=m.version, path=m.path, sha256=m.sha256, step=m.step or 0,
-                   msg_id=p.msg_id)
 
 
 Reward = float | dict[str, float]  # one number, or one per agent name
 
 
-@dataclass(frozen=True, slots=True)
-class Trajectory:
+class Trajectory(Message, frozen=True):
     """One episode's outcome for one model's trainer (`traj:<model>`).
 
     A successful episode carries its merged samples (`jet.timeline`): the
@@ -314,18 +254,17 @@ class Trajectory:
     episode_id: str
     model: str  # whose tokens the samples hold (the stream it is published to)
     reward: Reward = 0.0
-    samples: tuple[Sample, ...] = ()
+    samples: tuple[Sample, ...] = ()  # travel as concatenated columns (`_encode_more`, `_decode_more`)
     group_size: int = 1
     attempt: int = 0
     failed: bool = False
     retry: bool = False  # failed, and a new attempt of this member was queued
     error: str | None = None  # one line: why the episode failed
     traceback: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    msg_id: str = field(default_factory=codec.new_id)
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", tuple(self.samples))
+        force_setattr(self, "samples", tuple(self.samples))
         _check_reward(self.reward, self.KIND)
         for s in self.samples:
             if s.model != self.model:
@@ -335,22 +274,21 @@ class Trajectory:
     def n_tokens(self) -> int:
         return sum(len(s) for s in self.samples)
 
-    def to_fields(self, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> dict[bytes, bytes]:
-        meta = {"task": self.task, "group_id": self.group_id, "index": self.index,
-                "episode_id": self.episode_id, "model": self.model, "reward": self.reward,
-                "group_size": self.group_size, "attempt": self.attempt, "failed": self.failed,
-                "retry": self.retry, "error": self.error, "traceback": self.traceback, "meta": self.meta,
-                "samples": [_sample_meta(s) for s in self.samples]}
-        ints, floats = _sample_arrays(self.samples)
-        return codec.encode(self.KIND, meta, ints=ints, floats=floats, msg_id=self.msg_id, max_bytes=max_bytes)
+    def _encode_more(self, meta: dict, ints: dict, floats: dict) -> None:
+        samples = meta.pop("samples")
+        meta["samples"] = [_sample_meta(s) for s in samples]
+        more_ints, more_floats = _sample_arrays(samples)
+        ints.update(more_ints)
+        floats.update(more_floats)
 
     @classmethod
-    def from_payload(cls, p: codec.Payload) -> "Trajectory":
-        m = _meta(p, cls.KIND, _TrajectoryMeta)
-        return cls(task=m.task, group_id=m.group_id, index=m.index, episode_id=m.episode_id, model=m.model,
-                   reward=m.reward, samples=_samples(p, m.samples, m.model), group_size=m.group_size,
-                   attempt=m.attempt, failed=m.failed, retry=m.retry, error=m.error, traceback=m.traceback,
-                   meta=m.meta, msg_id=p.msg_id)
+    def _decode_more(cls, p: codec.Payload, meta: dict) -> dict[str, Any]:
+        specs = meta.pop("samples", None)
+        if not isinstance(specs, list):
+            raise CodecError(f"{cls.KIND}: " + ("missing required field 'samples'" if specs is None else
+                                                f"field 'samples': expected `array`, got `{type(specs).__name__}`"))
+        model = meta.get("model")
+        return {"samples": _samples(p, specs, model if isinstance(model, str) else "")}
 
 
 def _check_reward(reward: Any, kind: str) -> None:

@@ -90,7 +90,8 @@ class Settings:
         return s
 
 
-def _s(x: bytes | str) -> str:
+def as_str(x: bytes | str) -> str:
+    """An id or name from redis-py (bytes or str) as str."""
     return x.decode() if isinstance(x, bytes) else x
 
 
@@ -180,13 +181,13 @@ class Consumer:
             if not page:
                 self._own_pending = False
                 return []
-            self._own_from = "(" + _s(page[-1]["message_id"])
-            pend = [p for p in page if _s(p["message_id"]) not in self.inflight and _s(p["message_id"]) not in queued]
+            self._own_from = "(" + as_str(page[-1]["message_id"])
+            pend = [p for p in page if as_str(p["message_id"]) not in self.inflight and as_str(p["message_id"]) not in queued]
             if pend:
                 break
         ids = [p["message_id"] for p in pend]
         bump = 1 if self.cfg.count_rereads else 0
-        counts = {_s(p["message_id"]): p["times_delivered"] + bump for p in pend}
+        counts = {as_str(p["message_id"]): p["times_delivered"] + bump for p in pend}
         if self.cfg.count_rereads:
             claimed = await self.r.xclaim(self.stream, self.group, self.name, 0, ids)
         else:  # JUSTID: the idle time resets, the delivery count does not move
@@ -195,7 +196,7 @@ class Consumer:
                 for i in kept:
                     p.xrange(self.stream, i, i)
                 claimed = [rows[0] for rows in await p.execute() if rows]
-        got = [(_s(i), f or {}, counts.get(_s(i), 1)) for i, f in claimed]
+        got = [(as_str(i), f or {}, counts.get(as_str(i), 1)) for i, f in claimed]
         missing = set(counts) - {g[0] for g in got}
         if missing:  # payload trimmed or deleted: XCLAIM dropped them from the PEL
             await self.count_lost(len(missing), "own pending entries whose payload was deleted")
@@ -204,7 +205,7 @@ class Consumer:
     async def _new(self, count: int) -> list[tuple[str, dict, int]]:
         reply = await self.rb.xreadgroup(self.group, self.name, {self.stream: ">"},
                                          count=count, block=self.cfg.block_ms)
-        return [(_s(i), f or {}, 1) for _, entries in (reply or []) for i, f in entries]
+        return [(as_str(i), f or {}, 1) for _, entries in (reply or []) for i, f in entries]
 
     async def _accept(self, raw: list[tuple[str, dict, int]]) -> list[Delivery]:
         """Decode, dead-letter poison, ack duplicates; return what a handler should see."""
@@ -381,7 +382,7 @@ class Consumer:
         with translated(self.url):
             for i in range(0, len(ids), 256):
                 chunk = ids[i:i + 256]
-                lost += [_s(x) for x in await self._lease(keys=[self.stream],
+                lost += [as_str(x) for x in await self._lease(keys=[self.stream],
                                                           args=[self.group, self.name, idle_ms, *chunk])]
         return lost
 

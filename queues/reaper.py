@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from jet.queues.connect import translated
-from jet.queues.consumer import Consumer, _s
+from jet.queues.consumer import Consumer, as_str
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,15 @@ class Reaper:
             while got < want:
                 cursor, claimed, deleted = await c.r.execute_command(
                     "XAUTOCLAIM", c.stream, c.group, c.name, c.cfg.lease_ms, self.cursor, "COUNT", c.cfg.batch)
-                self.cursor = _s(cursor)
+                self.cursor = as_str(cursor)
                 if deleted:
                     self.lost += len(deleted)
                     await c.count_lost(len(deleted), "idle entries whose payload was deleted (XAUTOCLAIM)")
                 if claimed:
-                    counts = await self._counts([_s(i) for i, _ in claimed])
+                    counts = await self._counts([as_str(i) for i, _ in claimed])
                     queued = {e[0]: k for k, e in enumerate(c.claimed)}
                     for entry_id, fields in claimed:
-                        entry_id = _s(entry_id)
+                        entry_id = as_str(entry_id)
                         fields = dict(zip(fields[::2], fields[1::2])) if isinstance(fields, list) else fields
                         item = (entry_id, fields or {}, counts.get(entry_id, 1))
                         if entry_id in queued:
@@ -75,4 +75,4 @@ class Reaper:
             for i in ids:
                 p.xpending_range(c.stream, c.group, i, i, 1)
             rows = await p.execute()
-        return {_s(r[0]["message_id"]): r[0]["times_delivered"] for r in rows if r}
+        return {as_str(r[0]["message_id"]): r[0]["times_delivered"] for r in rows if r}

@@ -68,7 +68,7 @@ def test_the_base_install_has_no_torch_and_fits_its_budget(client_venv):
 
 @pytest.mark.slow
 def test_a_client_node_env_worker_trains_against_a_full_install_server(client_venv, embedded, tmp_path):
-    from jet.enqueue import enqueue, tasks_for
+    from jet.cli.enqueue import enqueue, tasks_for
     from jet.models import init_model
     from jet.tasks import dataset
 
@@ -86,7 +86,7 @@ def test_a_client_node_env_worker_trains_against_a_full_install_server(client_ve
     anyio.run(enqueue, embedded.url, run, "guess", tasks_for("guess", dataset("guess", 32), 4), 10_000)
     env = {**os.environ, "JET_REDIS_URL": embedded.url, "OMP_NUM_THREADS": "1"}
     env.pop("JET_CONFIG", None)
-    server_roles = {"infer": python_module("jet.workers.infer") + ["--config", str(config), "--model", "tiny"],
+    server_roles = {"infer": python_module("jet.workers.inference.worker") + ["--config", str(config), "--model", "tiny"],
                     "train": python_module("jet.trainer.cli") + ["--config", str(config), "--model", "tiny"]}
     client = [str(client_venv / "bin" / "jet"), "worker", "env", "--config", str(config), "--drain-timeout", "5"]
     procs, logs = {}, {}

@@ -27,7 +27,7 @@ from jet.queues import registry
 from jet.queues.connect import connect
 from jet.queues.server import binary, free_port
 
-from .queues.helpers import eventually
+from tests.queues.helpers import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = {"feed", "infer", "env", "gateway", "trainer"}

@@ -19,8 +19,8 @@ import yaml
 from jet.config import default_config_path
 from jet.queues.server import free_port
 
-from .test_compose import compose as compose_file
-from .test_compose import redis_service
+from tests.test_compose import compose as compose_file
+from tests.test_compose import redis_service
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE = ROOT / "docker-compose.multinode.yml"

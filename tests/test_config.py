@@ -165,8 +165,8 @@ def test_range_checks_name_the_path():
     assert str(error(load, data)) == "tasks[1].group_size: 1 is below trainer.min_group_size (2)"
     data["tasks"][1]["group_size"] = 2
     assert load(data).tasks[1].group_size == 2
-    # Direct construction raises the same error, relative to the section.
-    assert str(error(config.TrainerConfig, lr=-1.0)) == "lr: must be > 0, got -1.0"
+    # A section built from keywords (`Section.of`) raises the same error, relative to the section.
+    assert str(error(config.TrainerConfig.of, lr=-1.0)) == "lr: must be > 0, got -1.0"
 
 
 def test_workflow_and_reward_must_be_module_function():

@@ -59,7 +59,7 @@ def test_bfloat16_through_the_cli_and_jet_loads_it(smollm2, tmp_path):
     from click.testing import CliRunner
     from safetensors.torch import load_file
 
-    from jet.cli import main
+    from jet.cli.main import main
     from jet.llm import Tokenizers
     from jet.sources import resolve_model
 
@@ -78,7 +78,7 @@ def test_bfloat16_through_the_cli_and_jet_loads_it(smollm2, tmp_path):
 def test_without_gguf_the_error_is_one_line(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from jet.cli import main
+    from jet.cli.main import main
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError, as when not installed
     (tmp_path / "m.gguf").write_bytes(b"GGUF")

@@ -139,7 +139,7 @@ def test_unknown_template_or_arch_is_a_config_error(tmp_path):
 
 
 def test_cli_model_init(tmp_path):
-    from jet.cli import main
+    from jet.cli.main import main
 
     out = tmp_path / "cli"
     args = ["model", "init", "--out", str(out), "--arch", "qwen2", "--template", "llama3",

@@ -100,7 +100,7 @@ def test_enqueue_writes_parquet_rows_and_names_a_bad_one(tmp_path, redis_url, ke
     import anyio
     from click.testing import CliRunner
 
-    from jet.cli import main
+    from jet.cli.main import main
     from jet.queues import codec
     from jet.queues.connect import connect
     from jet.wire import Task
@@ -186,7 +186,7 @@ def test_the_feeder_cycles_a_parquet_dataset_read_once(tmp_path, redis_url, keys
     import anyio
 
     from jet import rows
-    from jet.feed import Feeder
+    from jet.cli.feed import Feeder
     from jet.queues import codec
     from jet.queues.connect import connect
     from jet.wire import Task

@@ -115,7 +115,7 @@ def test_pinning_keeps_every_role_on_one_commit(offline, tiny):
 
 
 def test_not_cached_offline_is_one_line_naming_the_key(tmp_path, offline):
-    from jet.cliopts import require_models
+    from jet.cli.options import require_models
     import click
 
     path = config(tmp_path, "org/absent")
@@ -157,7 +157,7 @@ def test_the_dashboard_decodes_with_a_hub_models_tokenizer(offline, tiny):
 
 
 def test_jet_up_pins_a_hub_model_for_all_its_roles(tmp_path, offline, tiny):
-    from jet.up import ensure_models, roles_for
+    from jet.cli.up import ensure_models, roles_for
 
     snap = cache_model(offline, "org/tiny", SHA1, tiny)
     path = config(tmp_path, "org/tiny")

@@ -48,6 +48,7 @@ import signal
 from pathlib import Path
 from typing import Any, Callable
 
+from jet.runs import TrainerFiles
 from jet.trainer.weights import fsync_path
 
 STATE_FILE = "state.json"
@@ -94,8 +95,8 @@ def write_json(path: Path, data: Any) -> None:
 class Checkpoints:
     def __init__(self, root: Path, keep: int = 2, barrier: Callable[[], None] = lambda: None, rank: int = 0):
         self.root = Path(root)
-        self.dir = self.root / "checkpoints"
-        self.ledger = self.root / "ledger"
+        self.dir = TrainerFiles(self.root).checkpoints
+        self.ledger = TrainerFiles(self.root).ledger
         self.keep, self.barrier, self.rank = keep, barrier, rank
 
     def whole(self) -> list[tuple[int, int]]:

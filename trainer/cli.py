@@ -21,7 +21,7 @@ import threading
 
 import click
 
-from jet.cliopts import config_options, load_config, redis_url_option, require_models, resolve_url
+from jet.cli.options import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.errors import JetError, Stopped, is_fatal
 from jet.supervisor import EXIT_FATAL
 
@@ -120,10 +120,10 @@ def plot(run, out_dir) -> None:
     """Write reward, loss, staleness and throughput curves (PNG) of a run folder or metrics file."""
     from pathlib import Path
 
-    from jet.trainer.metrics import find
+    from jet.runs import metrics_files
     from jet.trainer.metrics import plot as plot_file
 
-    files = find(Path(run))
+    files = metrics_files(Path(run))
     if not files:
         raise click.ClickException(f"no metrics.jsonl under {run}")
     for f in files:
@@ -133,7 +133,7 @@ def plot(run, out_dir) -> None:
 
 
 if __name__ == "__main__":
-    from jet.cliopts import setup_logging
+    from jet.cli.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     train()

@@ -39,6 +39,7 @@ from typing import Iterable
 
 import orjson
 
+from jet.runs import TrainerFiles, read_metrics
 from jet.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class TensorBoard:
     def __init__(self, folder: Path, purge_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.w = SummaryWriter(str(folder / "tensorboard"), purge_step=purge_step)
+        self.w = SummaryWriter(str(TrainerFiles(folder).tensorboard), purge_step=purge_step)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for k, v in values.items():
@@ -102,9 +103,7 @@ class WandB:
         or a buffer that filled) are then recorded twice, like steps redone after a resume."""
         if not resume_step or resume_step <= self.last or not lines.is_file():
             return
-        from jet.trainer.metrics import read
-
-        for row in read(lines):
+        for row in read_metrics(lines):
             if self.last < row.get("step", 0) <= resume_step:
                 self.log(int(row["step"]), {k: v for k, v in row.items() if k not in ("step", "time")
                                             and isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -167,7 +166,7 @@ def open_sinks(names: Iterable[str], folder: Path, *, resume_step: int | None, n
                config: dict | None = None, lines: Path | None = None) -> list:
     """The sinks for `names` other than jsonl (Metrics writes that itself), in order; `lines` is the
     metrics.jsonl already truncated to the resumed lineage (a W&B backfill reads it)."""
-    lines = lines or folder / "metrics.jsonl"
+    lines = lines or TrainerFiles(folder).metrics
     group = name.split("/", 1)[0]
     sinks = []
     for n in names:

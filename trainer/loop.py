@@ -61,6 +61,7 @@ from typing import Callable
 
 import torch
 
+from jet.runs import RunDir
 from jet.config import JetConfig, TrainerConfig, write_resolved
 from jet.trainer.batch import mean_reward
 from jet.trainer.checkpoint import Checkpoints, die_at
@@ -102,7 +103,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
         backend: str | None = None, device: str | None = None) -> TrainState:
     """Train `model` until `trainer.steps` or `stop()`; returns the final state."""
     tc = cfg.trainer_of(model)  # the top-level trainer section under the model's own `trainer` overrides
-    root = Path(cfg.run_dir) / "trainer" / model
+    root = RunDir.of(cfg).trainer(model)
 
     # -- set-up: threads, ranks, seeds, the backend, the checkpoint to resume from
     if tc.threads and (device or tc.device) == "cpu":

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from jet.runs import RunDir, TrainerFiles, read_metrics
+
 log = logging.getLogger(__name__)
 
-FILE = "metrics.jsonl"
 
 # PNG name -> (title, y label, metric names)
 PLOTS = {
@@ -45,7 +46,7 @@ class Metrics:
 
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.path = self.folder / FILE
+        self.path = TrainerFiles(self.folder).metrics
         loggers = list(loggers)
         self._file = None
         if "jsonl" in loggers:
@@ -61,7 +62,7 @@ class Metrics:
         """The metrics of `model`'s trainer: `<run_dir>/trainer/<model>`, its `trainer.loggers`."""
         from jet.config import dump
 
-        return cls(Path(cfg.run_dir) / "trainer" / model, resume_step, loggers=cfg.trainer_of(model).loggers,
+        return cls(RunDir.of(cfg).trainer(model), resume_step, loggers=cfg.trainer_of(model).loggers,
                    name=f"{cfg.run}/{model}", config=dump(cfg))
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -92,25 +93,6 @@ def _step_of(line: str) -> float:
         return math.inf  # a torn last line of a killed process
 
 
-def read(path: Path) -> list[dict]:
-    """The parseable lines of a metrics file."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def find(run: Path) -> list[Path]:
-    """Metrics files under a run folder (one per trained model), or `run` itself if it is one."""
-    run = Path(run)
-    if run.is_file():
-        return [run]
-    return sorted(run.glob(f"trainer/*/{FILE}")) + sorted(run.glob(FILE))
-
-
 def plot(path: Path, out_dir: Path | None = None, names: Iterable[str] = PLOTS) -> list[Path]:
     """PNG curves of one metrics file; returns the files written (default: next to the metrics)."""
     import matplotlib
@@ -118,8 +100,8 @@ def plot(path: Path, out_dir: Path | None = None, names: Iterable[str] = PLOTS) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read(path)
-    out_dir = Path(out_dir) if out_dir else Path(path).parent / "plots"
+    rows = read_metrics(path)
+    out_dir = Path(out_dir) if out_dir else TrainerFiles(Path(path).parent).plots
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name in names:

@@ -26,10 +26,11 @@ root-to-token path at most `max_tokens` long; its reward is finite.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import msgspec
 
 from jet.timeline import truncate_sample
 from jet.wire import Trajectory
@@ -71,7 +72,7 @@ def screen(traj: Trajectory, limits: Limits) -> tuple[Trajectory, int]:
     cut = [truncate_sample(s, limits.max_tokens) for s in traj.samples]
     kept = tuple(s for s in cut if s is not None)
     dropped = sum(s.n_trained for s in traj.samples) - sum(s.n_trained for s in kept)
-    return dataclasses.replace(traj, samples=kept), dropped
+    return msgspec.structs.replace(traj, samples=kept), dropped
 
 
 def _check_reward(reward) -> None:

@@ -1,7 +1,7 @@
 """Writing published weights: `runs/<run>/weights/<model>/v<N>/` as safetensors, durable before announced.
 
 What it is: `write_weights(module, folder)` saves the module's tensors
-(copied out, one name per tied tensor, as `jet.workers.hf_backend.load_weights`
+(copied out, one name per tied tensor, as `jet.workers.inference.hf.load_weights`
 accepts; DeepSpeed's parameters are views into flat buffers, which
 `safetensors.torch.save_model` refuses) to a temporary file, fsyncs
 it, renames it to `model.safetensors`, fsyncs the folder, writes
@@ -18,7 +18,7 @@ every version at or past the oldest served one stays, which also covers a
 worker loading a newer one (it still reports the old). Deletion renames the
 folder to `.old-v<N>` first, so a published name is there whole or not at all;
 a follower that finds an announced folder gone skips to the newest
-(`jet.workers.weights`). Leftover `.old-*` folders go at the next prune.
+(`jet.workers.inference.weights`). Leftover `.old-*` folders go at the next prune.
 
 What it is not: a loader (inference workers load, checking the hash), and
 weights never go through Redis.
@@ -31,13 +31,14 @@ import os
 import shutil
 from pathlib import Path
 
+from jet.runs import RunDir
 from jet.wire import WEIGHTS_FILE, file_sha256
 
 log = logging.getLogger(__name__)
 
 
 def weights_dir(run_dir: Path, model: str, version: int) -> Path:
-    return Path(run_dir) / "weights" / model / f"v{version}"
+    return RunDir.at(run_dir).weight_version(model, version)
 
 
 def fsync_path(path: Path) -> None:
@@ -85,9 +86,7 @@ def write_weights(module, folder: Path, dtype: str = "float32") -> str:
 
 def published_versions(run_dir: Path, model: str) -> list[int]:
     """The versions N with a `v<N>` folder, oldest first."""
-    root = Path(run_dir) / "weights" / model
-    names = [d.name[1:] for d in root.glob("v*") if d.is_dir()] if root.is_dir() else []
-    return sorted(int(n) for n in names if n.isdigit())
+    return RunDir.at(run_dir).versions(model)
 
 
 def prune_weights(run_dir: Path, model: str, newest: int, keep: int,
@@ -95,7 +94,7 @@ def prune_weights(run_dir: Path, model: str, newest: int, keep: int,
     """Delete the `v<N>` folders older than the newest `keep` (N <= newest - keep) and than every
     version in `served` (worker -> version it serves); None (the registry was unreachable) deletes
     nothing. Returns the versions deleted."""
-    root = Path(run_dir) / "weights" / model
+    root = RunDir.at(run_dir).weights(model)
     for old in root.glob(".old-v*"):  # a crash fell between a rename and its rmtree
         shutil.rmtree(old, ignore_errors=True)
     if served is None:

@@ -3,7 +3,7 @@
 The workload is the same in both runs: a fleet of `slots` synthetic rollout
 workers in this process, each looping over GRPO group members: wait a
 heavy-tailed time (log-normal, the environment), sample a completion from a
-real tiny model (`jet.workers.hf_backend`, following `weights:<model>` like an
+real tiny model (`jet.workers.inference.hf`, following `weights:<model>` like an
 inference worker, so every trajectory carries the version that generated
 it), wait again, score it and publish the Trajectory to `traj:<model>`. The
 reward is the share of completion tokens in a target set (ids divisible by
@@ -48,6 +48,7 @@ import anyio
 import click
 import yaml
 
+from jet.runs import RunDir, read_metrics
 from jet.bench import emit, progress, redis_url_option, server_url
 from jet.keys import GROUP_TRAINER, Keys
 from jet.supervisor import python_module
@@ -113,8 +114,9 @@ async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, st
     weights (announced under `weights_root`) as an inference worker does."""
     from jet.queues.connect import connect
     from jet.queues.producer import Producer
-    from jet.workers.hf_backend import HFBackend, SamplingParams
-    from jet.workers.weights import WeightFollower
+    from jet.workers.inference.hf import HFBackend
+    from jet.workers.inference.backend import SamplingParams
+    from jet.workers.inference.weights import WeightFollower
 
     backend = await anyio.to_thread.run_sync(HFBackend, model_dir)
     r, rb = await connect(url), await connect(url, block_ms=500)
@@ -179,8 +181,6 @@ async def trainer_joined(url: str, keys: Keys) -> bool:
 
 async def run_mode(name: str, max_staleness: int | None, url: str, tmp: Path, model_dir: Path, p: dict,
                    seed: int, say) -> Result:
-    from jet.config import RESOLVED_NAME
-
     run = f"bench{name}{uuid.uuid4().hex[:6]}"
     keys = Keys(run)
     config = write_config(tmp / f"{run}.yaml", run, tmp / "runs", model_dir, p)
@@ -199,7 +199,7 @@ async def run_mode(name: str, max_staleness: int | None, url: str, tmp: Path, mo
         say(f"{name}: trainer ready, rollouts start")
         async with anyio.create_task_group() as tg:
             tg.start_soon(rollouts, url, keys, model_dir, p, seed, stop, produced,
-                          tmp / "runs" / run / "weights" / MODEL)
+                          RunDir(tmp / "runs", run).weights(MODEL))
             while proc.poll() is None:
                 await anyio.sleep(0.2)
             stop.set()
@@ -209,15 +209,15 @@ async def run_mode(name: str, max_staleness: int | None, url: str, tmp: Path, mo
         log.close()
     if proc.returncode != 0:
         raise click.ClickException(f"the trainer exited {proc.returncode}; see {tmp / (run + '.log')}")
-    resolved = yaml.safe_load((tmp / "runs" / run / RESOLVED_NAME).read_text())
-    return summarise(name, resolved["trainer"]["max_staleness"], tmp / "runs" / run, produced[0], model_dir, seed)
+    resolved = yaml.safe_load(RunDir(tmp / "runs", run).resolved_config.read_text())
+    return summarise(name, resolved["trainer"]["max_staleness"], RunDir(tmp / "runs", run).root, produced[0], model_dir,
+                     seed)
 
 
 def summarise(name: str, bound: int, run_dir: Path, produced: int, model_dir: Path, seed: int) -> Result:
-    from jet.trainer.metrics import read
     from jet.trainer.weights import weights_dir
 
-    rows = read(run_dir / "trainer" / MODEL / "metrics.jsonl")
+    rows = read_metrics(RunDir.at(run_dir).metrics(MODEL))
     first, last = rows[0], rows[-1]
     window = max(1e-9, last["time"] - first["time"])
     busy = last["perf/busy_s"] - first["perf/busy_s"]
@@ -234,7 +234,7 @@ def summarise(name: str, bound: int, run_dir: Path, produced: int, model_dir: Pa
 
 def evaluate(model_dir: Path, weights: Path | None, seed: int) -> tuple[float, float]:
     """Mean reward (and its standard error) of the weights (None: the initial model) on held-out prompts."""
-    from jet.workers.hf_backend import HFBackend
+    from jet.workers.inference.hf import HFBackend
 
     backend = HFBackend(model_dir)
     if weights is not None:
@@ -244,7 +244,7 @@ def evaluate(model_dir: Path, weights: Path | None, seed: int) -> tuple[float, f
 
 def evaluate_backend(backend, seed: int, prompts: int = 32, samples: int = 8) -> tuple[float, float]:
     """Mean reward and standard error of 256 sampled completions (32 held-out prompts x 8) of a loaded backend."""
-    from jet.workers.hf_backend import SamplingParams
+    from jet.workers.inference.backend import SamplingParams
 
     batch = [prompt_of(seed + 1, 10_000 + g, backend.vocab_size) for g in range(prompts) for _ in range(samples)]
     params = [SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=i) for i in range(len(batch))]
@@ -353,7 +353,7 @@ def render(report: dict):
               help="Keep both runs' folders (metrics, PNG plots, trainer logs) here.")
 def cli(redis_url, as_json, quick, steps, slots, seed, repeats, max_staleness, overrides, out_dir) -> None:
     """Trainer steps/min and busy fraction: synchronous barrier (max_staleness 0) vs the async default."""
-    from jet.cliopts import run_jet
+    from jet.cli.options import run_jet
 
     p = dict(QUICK if quick else DEFAULTS, overrides=list(overrides))
     p.update({k: v for k, v in {"steps": steps, "slots": slots}.items() if v is not None})
@@ -364,7 +364,8 @@ def cli(redis_url, as_json, quick, steps, slots, seed, repeats, max_staleness, o
         with server_url(redis_url, Path(tmp) / "server") as url:
             report = run_jet(measure_all, url, work, p, list(range(seed, seed + repeats)), say, max_staleness)
         if out_dir:
-            from jet.trainer.metrics import find, plot
+            from jet.runs import metrics_files as find
+            from jet.trainer.metrics import plot
 
             for pair in report["pairs"]:
                 for r in pair["runs"]:

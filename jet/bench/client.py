@@ -5,7 +5,7 @@ example a venv of an older checkout, measured in the same run), and for each tas
 agent code on `jet.llm`; `arith`: plain OpenAI-SDK agent code through the worker's embedded gateway):
 
 1. a fresh embedded server and a tiny model folder (its tokenizer is all an env worker loads);
-2. one env worker, `<python> -P -m jet.workers.env --task T` with `tasks[].concurrency = inflight`,
+2. one env worker, `<python> -P -m jet.workers.rollout.worker --task T` with `tasks[].concurrency = inflight`,
    and no inference worker, so every episode's first LLM call waits for a reply that never comes:
    exactly `inflight` episodes stay in flight, whatever the machine's speed;
 3. `idle`: its memory once its consumer has joined the task group (tokenizer loaded, nothing to do);
@@ -80,7 +80,7 @@ async def _wait(what: str, check, timeout: float, proc: subprocess.Popen, log: P
 
 async def measure(python: str, task: str, inflight: int, folder: Path, url: str, log: Path, say) -> dict:
     """Idle and in-flight memory of one env worker under `python` (see the module docstring)."""
-    from jet.enqueue import enqueue, tasks_for
+    from jet.cli.enqueue import enqueue, tasks_for
     from jet.keys import Keys
     from jet.queues.connect import connect
     from jet.tasks import dataset
@@ -89,7 +89,7 @@ async def measure(python: str, task: str, inflight: int, folder: Path, url: str,
     config = _config(folder, task, inflight)
     env = {**os.environ, "JET_REDIS_URL": url, "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([python, "-P", "-m", "jet.workers.env", "--config", str(config), "--task", task,
+        proc = subprocess.Popen([python, "-P", "-m", "jet.workers.rollout.worker", "--config", str(config), "--task", task,
                                  "--drain-timeout", "1"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder)
     r = await connect(url)

@@ -1,7 +1,7 @@
 """`jet bench gpu`: the device check. Generation and training throughput on a model of a real shape.
 
 What it runs, on one device, in this order:
-1. the hf inference backend (`jet.workers.hf_backend`, KV cache, bf16)
+1. the hf inference backend (`jet.workers.inference.hf`, KV cache, bf16)
    generating `--batch` completions of `--new-tokens` tokens at temperature
    1.0 / top_p 0.9 (the nucleus path): generated tokens per second;
 2. optimiser steps of the torch training backend (`trainer.dtype: bfloat16`,
@@ -22,7 +22,7 @@ The default shape is Qwen2-0.5B's (hidden 896, 24 layers, 14 heads, 2 KV
 heads, intermediate 4864, vocabulary 151936, tied embeddings), randomly
 initialised and saved as bf16 safetensors: no hub access is needed.
 `--cpu` runs the same three phases on the CPU with a tiny shape, which is
-how the test suite runs this module (`tests/test_bench_gpu.py`).
+how the test suite runs this module (`tests/bench/test_gpu.py`).
 `scripts/gpu-check.sh` installs what a bare GPU machine lacks and runs it.
 
 What it is not: a benchmark with a baseline ratio (it measures a device
@@ -83,7 +83,9 @@ def synchronize(device: str) -> None:
 def generation(model_dir: Path, device: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
     import torch
 
-    from jet.workers.hf_backend import HFBackend, SamplingParams
+    from jet.workers.inference.hf import HFBackend
+
+    from jet.workers.inference.backend import SamplingParams
 
     backend = HFBackend(model_dir, device=device, dtype="bfloat16")
     rng = torch.Generator().manual_seed(1)
@@ -137,7 +139,7 @@ def training(kind: str, model_dir: Path, shape: dict, device: str, row_tokens: i
     from jet.trainer.dist import Comm, Plan
     from jet.trainer.guard import prepare
 
-    tc = TrainerConfig(lr=1e-5, micro_batch_tokens=row_tokens, device=device, dtype="bfloat16", zero_stage=2,
+    tc = TrainerConfig.of(lr=1e-5, micro_batch_tokens=row_tokens, device=device, dtype="bfloat16", zero_stage=2,
                        backend=kind, kl_coef=0.0, grad_clip=1.0)
     completion = max(8, row_tokens // 16)
     prompt = max(8, row_tokens // 16)

@@ -39,7 +39,7 @@ import click
 import orjson
 
 from jet.bench import progress, redis_url_option, server_url
-from jet.cliopts import run_jet
+from jet.cli.options import run_jet
 from jet.supervisor import python_module
 from jet.errors import QueueError
 from jet.keys import Keys

@@ -9,7 +9,7 @@ the same tokens. Per backend (`hf`, and `vllm` where it is installed):
 - `direct`: `concurrency` in-process callers of `backend.agenerate_one`, each
   taking the next request as soon as its last one completed (continuous);
 - `full path`: the same callers through `jet.llm` (GenRequest on `gen:`, an
-  inference worker `jet.workers.infer.run` in this process with the same
+  inference worker `jet.workers.inference.worker.run` in this process with the same
   backend object, the reply stream), against an embedded server;
 - `batch-synchronous`: batches of `concurrency` requests, each batch waiting
   for its longest completion before the next starts (how the worker served
@@ -74,19 +74,19 @@ def bench_model(folder: Path) -> Path:
 
 
 def params_of(r: Request):
-    from jet.workers.hf_backend import SamplingParams
+    from jet.workers.inference.backend import SamplingParams
 
     return SamplingParams(temperature=1.0, max_tokens=r.max_tokens, seed=r.seed)
 
 
 def make_backend(kind: str, model_dir: Path, concurrency: int):
     if kind == "hf":
-        from jet.workers.hf_backend import HFBackend
+        from jet.workers.inference.hf import HFBackend
 
         backend = HFBackend(model_dir, max_inflight=concurrency)
         backend.eos_ids = frozenset()  # lengths are the workload's, not the random model's
         return backend
-    from jet.workers.vllm_backend import VLLMBackend
+    from jet.workers.inference.vllm import VLLMBackend
     from vllm.platforms import current_platform
 
     return VLLMBackend(model_dir, device="cpu" if current_platform.is_cpu() else "cuda", dtype="float32",
@@ -133,11 +133,11 @@ async def batch_synchronous(backend, reqs: list[Request], concurrency: int) -> i
 
 @contextlib.asynccontextmanager
 async def served(backend, url: str, model_dir: Path, tmp: Path, concurrency: int):
-    """An inference worker (`jet.workers.infer.run`, this process, this backend) and an LLM client session."""
+    """An inference worker (`jet.workers.inference.worker.run`, this process, this backend) and an LLM client session."""
     from jet.config import load as load_config
     from jet.keys import Keys
     from jet.llm import Tokenizers, open_client
-    from jet.workers import infer
+    from jet.workers.inference import worker as infer
 
     run = f"rollout{uuid.uuid4().hex[:8]}"
     cfg = load_config({"run": run, "runs_dir": str(tmp / "runs"), "queues": {"block_ms": 100},

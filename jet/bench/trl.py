@@ -40,6 +40,8 @@ from pathlib import Path
 
 import click
 
+from jet.runs import RunDir, read_metrics
+from jet.wire import WEIGHTS_FILE
 from jet.bench import emit, progress
 from jet.convert import SMOLLM2_WHEEL
 
@@ -165,18 +167,15 @@ def run_jet(model: str, p: dict, out: Path, say) -> dict:
     cfg.write_text(yaml.safe_dump(jet_config(model, p, folder), sort_keys=False))
     env = {**os.environ, "OMP_NUM_THREADS": str(p["threads"]["jet_per_process"]), "JET_LOG_LEVEL": "INFO"}
     env.pop("JET_REDIS_URL", None)
-    argv = [sys.executable, "-m", "jet.cli", "up", "--config", str(cfg), "--no-live", "--no-dash",
+    argv = [sys.executable, "-m", "jet.cli.main", "up", "--config", str(cfg), "--no-live", "--no-dash",
             "--run-dir", str(folder / "server")]
     say(f"jet: jet up for {p['budget_s']:.0f} s (log {folder / 'up.log'})")
     t0 = time.time()
     code, peak = supervise(argv, env, folder / "up.log", p["budget_s"], t0, stop_at_budget=True)
-    run_dir = folder / "runs" / RUN
-    rows = []
-    metrics = run_dir / "trainer" / MODEL / "metrics.jsonl"
-    if metrics.is_file():
-        rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "rollout/reward_mean" in r]
-    versions = sorted((d for d in (run_dir / "weights" / MODEL).glob("v*") if (d / "model.safetensors").is_file()),
-                      key=lambda d: int(d.name[1:])) if (run_dir / "weights" / MODEL).is_dir() else []
+    run = RunDir(folder / "runs", RUN)
+    rows = [r for r in read_metrics(run.metrics(MODEL)) if "rollout/reward_mean" in r]
+    versions = [run.weight_version(MODEL, v) for v in run.versions(MODEL)
+                if (run.weight_version(MODEL, v) / WEIGHTS_FILE).is_file()]
     if not rows or not versions:
         raise click.ClickException(f"jet side trained no step (exit {code}); {folder / 'up.log'}:\n"
                                    f"{tail(folder / 'up.log')}")
@@ -250,7 +249,7 @@ UNMATCHED = {  # setting: (Jet, TRL), printed as the difference between the side
                   "completions of the current weights (num_iterations=1), the PPO ratio is 1"),
     "advantage eps": ("(r - mean) / (std + 1e-6) (trainer/advantages.py)", "(r - mean) / (std + 1e-4)"),
     "training rows": ("jet.tasks.add:rows in the feeder's order", "jet.tasks.add:rows shuffled by the sampler"),
-    "generation": ("inference worker, continuous batching (workers/hf_backend.py)",
+    "generation": ("inference worker, continuous batching (workers/inference/hf.py)",
                    "transformers generate, one padded batch per step"),
 }
 
@@ -361,7 +360,7 @@ def cli(model_spec, cache, budget_s, device, seed, eval_n, group_size, batch_gro
     out.mkdir(parents=True, exist_ok=True)
     model = model_spec or default_model(Path(cache).expanduser())
     model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().is_dir() else model
-    from jet.up import cpu_count
+    from jet.cli.up import cpu_count
 
     cores = cpu_count()  # the cores this process may use, as jet up counts them for its thread shares
     p = {"budget_s": budget_s, "device": device, "seed": seed, "eval_n": eval_n, "group_size": group_size,

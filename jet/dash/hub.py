@@ -22,6 +22,7 @@ from jet.dash import swarm
 from jet.dash.training import Curves
 from jet.errors import JetError
 from jet.keys import Keys
+from jet.runs import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Hub:
                 log.warning("listing runs: %s", e)
         root = Path(self.s.runs_dir)
         if root.is_dir():
-            found.update(p.name for p in root.iterdir() if (p / "trainer").is_dir() or (p / "config.resolved.yaml").is_file())
+            found.update(p.name for p in root.iterdir() if RunDir(root, p.name).exists())
         if self.s.run:
             found.add(self.s.run)
         self._runs = (time.monotonic(), sorted(found))

@@ -40,9 +40,9 @@ class Dashboard:
         return self.proc.returncode
 
 
-def start(run: str, runs_dir: str, redis_url: str, log_dir: Path, *, port: int = DEFAULT_PORT,
+def start(run: str, runs_dir: str, redis_url: str, log: Path, *, port: int = DEFAULT_PORT,
           host: str = "127.0.0.1", env: dict | None = None) -> Dashboard:
-    """Start the dashboard of a `jet up` run; its output goes to `log_dir/dash.log`. It finds the
+    """Start the dashboard of a `jet up` run; its output goes to `log`. It finds the
     models' tokenizers in the run's resolved config, so write that first."""
     try:
         sock = bind(host, port)
@@ -52,8 +52,7 @@ def start(run: str, runs_dir: str, redis_url: str, log_dir: Path, *, port: int =
         sock = bind(host, 0)  # another dashboard (another jet up) has the default port
     argv = [*python_module("jet.dash.server"), "--fd", str(sock.fileno()), "--host", host,
             "--run", run, "--runs-dir", runs_dir]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / "dash.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, env={**(env or os.environ), "JET_REDIS_URL": redis_url}, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(),),

@@ -1,7 +1,7 @@
 """Training curves for `jet dash` and `jet up`: the trainers' metrics files, read as they grow.
 
 What it is: `Curves` follows every `runs/<run>/trainer/<model>/metrics.jsonl`
-(the trainer's `jet.trainer.metrics` file) and keeps each metric as a column
+(the trainer's `jet.trainer.metrics` file, read by `jet.runs.MetricsFile`) and keeps each metric as a column
 (step, value) in memory, reading only the bytes appended since the last look.
 `since(model, epoch, offset)` returns the points of each series past a client's
 last point, so a page that polls receives only new points.
@@ -21,9 +21,8 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
+from jet.runs import MetricsFile, RunDir
 
-FILE = "metrics.jsonl"  # jet.trainer.metrics.FILE; not imported, so jet.dash never imports the trainer
 
 
 @dataclass
@@ -33,57 +32,36 @@ class Series:
     values: array = field(default_factory=lambda: array("d"))
 
 
-@dataclass
 class _File:
-    path: Path
-    inode: int = -1
-    offset: int = 0  # bytes parsed
-    lines: int = 0  # complete lines parsed
-    epoch: int = 0
-    series: dict[str, Series] = field(default_factory=dict)
-    first_time: float | None = None
-    last: dict = field(default_factory=dict)  # the last line, whole
-    tail: bytes = b""  # the last parsed line's bytes, to notice a file rewritten in place
+    """One metrics file (`jet.runs.MetricsFile`) with each metric kept as a column."""
+
+    def __init__(self, path: Path):
+        self.follower = MetricsFile(path, keep_rows=False)  # the columns below hold the points
+        self.lines = 0  # complete lines parsed in this epoch
+        self.series: dict[str, Series] = {}
+        self.first_time: float | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.follower.epoch
+
+    @property
+    def last(self) -> dict:
+        return self.follower.last
 
     def refresh(self) -> None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return
-        with open(self.path, "rb") as f:
-            if st.st_ino != self.inode or st.st_size < self.offset or not self._same_tail(f):
-                self.inode, self.offset, self.lines, self.series, self.last = st.st_ino, 0, 0, {}, {}
-                self.first_time, self.tail, self.epoch = None, b"", self.epoch + 1
-            if st.st_size == self.offset:
-                return
-            f.seek(self.offset)
-            chunk = f.read(st.st_size - self.offset)
-        end = chunk.rfind(b"\n") + 1  # only whole lines
-        lines = chunk[:end].splitlines()
-        for line in lines:
-            self._add(line)
-        if lines:
-            self.tail = lines[-1][-256:] + b"\n"
-        self.offset += end
+        epoch = self.follower.epoch
+        _, rows = self.follower.refresh()
+        if self.follower.epoch != epoch:
+            self.lines, self.series, self.first_time = 0, {}, None
+        for row in rows:
+            self._add(row)
 
-    def _same_tail(self, f) -> bool:
-        """Whether the bytes before `offset` are still the line parsed last (a resumed trainer
-        rewrites the file in place: same inode, maybe no shorter by the time we look)."""
-        if not self.tail:
-            return True
-        f.seek(self.offset - len(self.tail))
-        return f.read(len(self.tail)) == self.tail
-
-    def _add(self, line: bytes) -> None:
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            return  # a garbled line (a crash mid-write, then a restart): skip it, keep the rest
-        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+    def _add(self, row: dict) -> None:
+        if not isinstance(row.get("step"), (int, float)):
             return
         step, n = float(row["step"]), self.lines
         self.lines += 1
-        self.last = row
         if self.first_time is None and isinstance(row.get("time"), (int, float)):
             self.first_time = float(row["time"])
         for name, value in row.items():
@@ -106,7 +84,7 @@ class Curves:
         self._lock = threading.Lock()  # pages read from worker threads
 
     def models(self, run: str) -> list[str]:
-        return sorted(p.parent.name for p in (self.runs_dir / run / "trainer").glob(f"*/{FILE}"))
+        return RunDir(self.runs_dir, run).trained_models()
 
     def file(self, run: str, model: str) -> _File:
         with self._lock:
@@ -116,7 +94,7 @@ class Curves:
         key = (run, model)
         f = self._files.get(key)
         if f is None:
-            f = self._files[key] = _File(self.runs_dir / run / "trainer" / model / FILE)
+            f = self._files[key] = _File(RunDir(self.runs_dir, run).metrics(model))
         f.refresh()
         return f
 

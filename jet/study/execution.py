@@ -24,7 +24,6 @@ reclaims never extend a run's budget.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import anyio
 
+from jet.runs import MetricsFile, RunDir, read_metrics
 from jet.study import ledger
 from jet.supervisor import python_module
 from jet.study.keeper import EXIT_NO_LEASE
@@ -71,7 +71,7 @@ def fill(text: str, req: RunRequest, run_dir: Path, study_dir: Path) -> str:
 
 def compose(req: RunRequest, study_dir: Path) -> RunFiles:
     study_dir = study_dir.resolve()
-    run_dir = study_dir / "runs" / req.run
+    run_dir = RunDir(study_dir / "runs", req.run).root
     overrides = [fill(o, req, run_dir, study_dir) for o in req.overrides]
     overrides += [f"run={req.run}", f"runs_dir={study_dir / 'runs'}"]
     return RunFiles(req.base, overrides, run_dir, study_dir / "logs" / f"{req.run}.log")
@@ -98,18 +98,7 @@ def check(files: RunFiles):
 
 def metrics_path(cfg, model: str | None) -> Path:
     name = model or next(m.name for m in cfg.models if m.trainable)
-    return Path(cfg.run_dir) / "trainer" / name / "metrics.jsonl"
-
-
-def read_rows(path: Path) -> list[dict]:
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line of a killed trainer
-    return rows
+    return RunDir.of(cfg).metrics(name)
 
 
 def curve_of(rows: list[dict], metric: str) -> list[tuple[int, float]]:
@@ -155,7 +144,7 @@ def _tail(path: Path, n: int = 4000) -> str:
 
 def resumed_step(run_dir: Path) -> int:
     """The step the trainer of the latest attempt resumed from, read from its log (0: it started fresh)."""
-    steps = [int(m.group(1)) for f in sorted((run_dir / "logs").glob("train-*.log"))
+    steps = [int(m.group(1)) for f in sorted(RunDir.at(run_dir).logs.glob("train-*.log"))
              for m in _RESUMED.finditer(f.read_text(errors="replace"))]
     return steps[-1] if steps else 0
 
@@ -204,17 +193,17 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
         return result("bad_config", cfg, [])
     mpath = metrics_path(cfg, req.model)
     if time.time() - started >= req.timeout_s:
-        rows = read_rows(mpath)
+        rows = read_metrics(mpath)
         return result(*classify(None, rows, req, None, True, ""), rows)
 
     files.log.parent.mkdir(parents=True, exist_ok=True)
     with open(files.log, "ab") as err:  # the keeper's own lines go there too
         proc = subprocess.Popen(keeper_argv(req, files, url), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env=run_env(req))
-    stop, timed_out, drain, told, sent, offset = None, False, False, False, {}, 0
+    stop, timed_out, drain, told, sent, metrics = None, False, False, False, {}, MetricsFile(mpath, keep_rows=False)
     try:
         while proc.poll() is None:
-            offset = await _stream(r, url, keys, req, mpath, sent, offset)
+            await _stream(r, url, keys, req, metrics, sent)
             if not told:  # a paused study (`jet study stop`) drains its runs like a stopping worker
                 drain = draining.is_set() or bool(await ledger.get_field(r, url, keys, "paused"))
                 if not drain:
@@ -228,8 +217,8 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     finally:
         if proc.poll() is None:  # cancelled (the drain deadline): the keeper drains jet up by itself
             proc.send_signal(signal.SIGTERM)
-    await _stream(r, url, keys, req, mpath, sent, offset)
-    rows = read_rows(mpath)
+    await _stream(r, url, keys, req, metrics, sent)
+    rows = read_metrics(mpath)
     finished = proc.returncode == 0 and bool(rows) and int(rows[-1]["step"]) >= req.steps
     if (drain and not finished) or proc.returncode == EXIT_NO_LEASE:  # a run that finished meanwhile counts
         return Retry("the study worker is draining or the study is paused: the run resumes from its checkpoint "
@@ -243,25 +232,12 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     return result(status, reason, rows)
 
 
-async def _stream(r, url: str, keys, req: RunRequest, path: Path, sent: dict[int, float], offset: int) -> int:
-    """Send the metric of each new trainer step as Progress; returns the new file offset."""
-    if not path.is_file():
-        return 0
-    size = path.stat().st_size
-    if size < offset:  # the trainer resumed and cut the lines of its lost steps: read again
-        offset = 0
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    cut = data.rfind(b"\n") + 1
+async def _stream(r, url: str, keys, req: RunRequest, metrics: MetricsFile, sent: dict[int, float]) -> None:
+    """Send the metric of each new trainer step as Progress (a resumed trainer's rewritten file is read
+    again: a step whose value changed is sent again)."""
     items = []
-    for line in data[:cut].splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if req.metric in row and sent.get(int(row["step"])) != row[req.metric]:
+    for row in metrics.refresh()[1]:
+        if req.metric in row and "step" in row and sent.get(int(row["step"])) != row[req.metric]:
             sent[int(row["step"])] = row[req.metric]
             items.append(Progress(req.run, int(row["step"]), float(row[req.metric]), float(row.get("time", 0))))
     await ledger.add_progress(r, url, keys, items)
-    return offset + cut

@@ -6,7 +6,7 @@ is answered with `{"result": value}` (or `{"error": why}`), computed by
 `jet.tasks.expressions.evaluate` (no `eval`); the first reply without tool
 calls is the final answer, and its last number is taken as the answer.
 `workflow` points the agent at the episode's gateway (`llm.openai_base_url`,
-`llm.openai_api_key`, see `jet.workers.gateway`), so every call is recorded
+`llm.openai_api_key`, see `jet.workers.gateway.app`), so every call is recorded
 in the episode like a `jet.llm` call.
 
 Reward (returned by `workflow`):

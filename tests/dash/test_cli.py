@@ -73,7 +73,7 @@ def test_jet_ups_launcher_takes_another_port_when_the_default_is_taken(redis_url
     taken.listen(1)
     port = taken.getsockname()[1]
     (tmp_path / "runs").mkdir()
-    dash = launch.start(keys.run, str(tmp_path / "runs"), redis_url, tmp_path / "logs", port=port)
+    dash = launch.start(keys.run, str(tmp_path / "runs"), redis_url, tmp_path / "logs" / "dash.log", port=port)
     try:
         assert dash.url.startswith("http://127.0.0.1:") and f":{port}/" not in dash.url
         deadline = time.monotonic() + 60

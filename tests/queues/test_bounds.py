@@ -17,7 +17,7 @@ from jet.queues.producer import Producer
 from jet.queues.messages import Commit
 from jet.queues.runtime import Runtime
 
-from .helpers import close, entry, make_consumer, read_all
+from tests.queues.helpers import close, entry, make_consumer, read_all
 
 pytestmark = pytest.mark.anyio
 

@@ -23,8 +23,8 @@ from jet.queues.messages import Commit
 from jet.queues.producer import Producer, safe_trim
 from jet.queues.server import EmbeddedServer
 
-from .helpers import close, entry, eventually, make_consumer
-from .test_faults import assert_exactly_once, fill, spawn, wait_outputs, wait_ready
+from tests.queues.helpers import close, entry, eventually, make_consumer
+from tests.queues.test_faults import assert_exactly_once, fill, spawn, wait_outputs, wait_ready
 
 pytestmark = [pytest.mark.anyio, pytest.mark.cluster]
 
@@ -198,7 +198,7 @@ async def test_cluster_url_to_a_single_server_is_a_fatal_error(embedded):
 
 async def round_robin_proxy(ports: list[int], task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """A TCP load balancer over independent servers: each new connection goes to the next one."""
-    from .test_connect import pipe
+    from tests.queues.test_connect import pipe
 
     turn = itertools.cycle(ports)
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")

@@ -10,7 +10,7 @@ from jet.errors import CodecError
 from jet.queues import codec
 
 
-from .helpers import close, entry, make_consumer, read_all, serve
+from tests.queues.helpers import close, entry, make_consumer, read_all, serve
 
 
 def test_roundtrip_raw_little_endian_arrays():

@@ -25,7 +25,7 @@ from jet.queues.connect import connect, redact, retry_forever, translated
 from jet.queues.producer import Producer
 from jet.queues.server import EmbeddedServer, free_port
 
-from .helpers import close, entry, make_consumer, read_all
+from tests.queues.helpers import close, entry, make_consumer, read_all
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ from jet.queues.reaper import Reaper
 
 from jet.queues.connect import connect
 
-from .helpers import close, entry, eventually, idle_ms, make_consumer, read_all, serve
+from tests.queues.helpers import close, entry, eventually, idle_ms, make_consumer, read_all, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from jet.queues.producer import Producer
 
 from jet.queues.server import EmbeddedServer
 
-from .helpers import close, entry, eventually, make_consumer, read_all, serve
+from tests.queues.helpers import close, entry, eventually, make_consumer, read_all, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from jet.queues.producer import Producer
 from jet.queues.messages import Commit, Dead, Drop
 from jet.queues.runtime import Runtime
 
-from .helpers import entry, eventually, idle_ms, read_all
+from tests.queues.helpers import entry, eventually, idle_ms, read_all
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ import pytest
 from jet.queues.producer import Producer
 
 
-from .helpers import close, entry, make_consumer, read_all, serve
+from tests.queues.helpers import close, entry, make_consumer, read_all, serve
 
 pytestmark = pytest.mark.anyio
 

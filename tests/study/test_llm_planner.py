@@ -37,8 +37,8 @@ from jet.queues.connect import connect
 from jet.study.llm_planner import LLMPlanner
 from jet.study.runner import Runner
 from jet.study.studyfile import parse_study
-from jet.workers.gateway_auth import Signer
-from jet.workers.gateway_episodes import Episodes
+from jet.workers.gateway.auth import Signer
+from jet.workers.gateway.sessions import Episodes
 from tests.study.conftest import ROOT, base_config
 
 
@@ -162,9 +162,9 @@ def test_jets_gateway_serving_the_tiny_model_is_noise_and_falls_back(tmp_path, r
     env = {**os.environ, "JET_REDIS_URL": redis_url, "JET_GATEWAY_SECRET": secret, "OMP_NUM_THREADS": "1",
            "JET_LOG_LEVEL": "INFO"}
     logs = {role: open(tmp_path / f"{role}.log", "w") for role in ("infer", "gateway")}
-    procs = [subprocess.Popen([sys.executable, "-m", "jet.workers.infer", "--config", str(cfg), "--model", "tiny"],
+    procs = [subprocess.Popen([sys.executable, "-m", "jet.workers.inference.worker", "--config", str(cfg), "--model", "tiny"],
                               cwd=ROOT, env=env, stdout=logs["infer"], stderr=subprocess.STDOUT),
-             subprocess.Popen([sys.executable, "-m", "jet.workers.gateway", "--config", str(cfg), "--port", "0"],
+             subprocess.Popen([sys.executable, "-m", "jet.workers.gateway.app", "--config", str(cfg), "--port", "0"],
                               cwd=ROOT, env=env, stdout=logs["gateway"], stderr=subprocess.STDOUT)]
     try:
         deadline = time.monotonic() + 120

@@ -15,7 +15,7 @@ from jet.queues.producer import Producer
 from jet.timeline import Call, merge_calls
 from jet.wire import Trajectory
 
-from .helpers import MODEL
+from tests.trainer.helpers import MODEL
 
 
 def synthetic_group(group: str, size: int, rng: random.Random, version: int = 0, vocab: int = 500,

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from jet.keys import Keys
-from jet.trainer.metrics import read
+from jet.runs import read_metrics as read
 
-from .helpers import MODEL
-from .rollouts import produce_sync, stream_state, synthetic_group, write_config
+from tests.trainer.helpers import MODEL
+from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

@@ -6,7 +6,7 @@ import pytest
 
 from jet.trainer.groups import Assembler, Entry, staleness
 
-from .helpers import call, traj
+from tests.trainer.helpers import call, traj
 
 
 def asm(min_size=2, timeout_s=10.0, max_staleness=4):

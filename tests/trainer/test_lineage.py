@@ -19,10 +19,10 @@ import pytest
 
 from jet.config import load_file
 from jet.trainer.lineage import Lineage
-from jet.trainer.metrics import read
+from jet.runs import read_metrics as read
 
-from .rollouts import produce_sync, synthetic_group, write_config
-from .test_trainer_redis import check_exactly_once, signal_at_step, start_trainer, trainer_dir
+from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
+from tests.trainer.test_trainer_redis import check_exactly_once, signal_at_step, start_trainer, trainer_dir
 
 
 def test_a_fresh_lineage_is_the_version_itself():

@@ -15,7 +15,7 @@ from jet.trainer.losses import k3_kl, ppo_loss
 from jet.trainer.optim import lr_at
 from jet.trainer.packing import pack
 
-from .helpers import MODEL, call, traj
+from tests.trainer.helpers import MODEL, call, traj
 
 
 def close(a, b, tol=1e-6):

@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from jet.trainer.cli import plot, train
-from jet.trainer.metrics import Metrics, read
+from jet.runs import read_metrics as read
+from jet.trainer.metrics import Metrics
 
 
 def test_resume_drops_lines_past_the_checkpoint_and_a_torn_line(tmp_path):

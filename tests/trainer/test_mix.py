@@ -8,19 +8,19 @@ groups stay within 1 group of its share `w_t / W * T` after every step, over any
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 import time
 
+import msgspec
 import pytest
 
 from jet.config import load_file
-from jet.trainer.metrics import read
+from jet.runs import read_metrics as read
 from jet.trainer.mix import allocate
 
-from .helpers import MODEL
-from .rollouts import produce_sync, synthetic_group, write_config
+from tests.trainer.helpers import MODEL
+from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
 
 TOLERANCE = 1.0  # groups a task may be off its share after any step
 
@@ -98,7 +98,7 @@ def cocktail_config(tmp_path, keys, tiny_model, weights: dict[str, float], **tra
 
 
 def groups_of(task: str, n: int, rng: random.Random) -> list:
-    return [dataclasses.replace(t, task=task) for g in range(n) for t in synthetic_group(f"{task}{g}", 2, rng)]
+    return [msgspec.structs.replace(t, task=task) for g in range(n) for t in synthetic_group(f"{task}{g}", 2, rng)]
 
 
 def metric_rows(cfg) -> list[dict]:

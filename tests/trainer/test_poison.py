@@ -32,11 +32,11 @@ from jet.trainer.link import Link
 from jet.trainer.groups import Assembler
 from jet.trainer.guard import guarded, guarded_step, prepare
 from jet.trainer.intake import Intake
-from jet.trainer.metrics import read
+from jet.runs import read_metrics as read
 
-from .helpers import MODEL, traj
-from .rollouts import produce_sync, stream_state, synthetic_group, write_config
-from .test_trainer_redis import trainer_dir
+from tests.trainer.helpers import MODEL, traj
+from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
+from tests.trainer.test_trainer_redis import trainer_dir
 
 
 def call(prompt, completion, version=0):

@@ -21,10 +21,10 @@ from jet.queues.connect import connect
 from jet.trainer.checkpoint import DIE_AT_ENV, STATE_FILE, Checkpoints
 from jet.trainer.weights import published_versions, prune_weights
 
-from .helpers import MODEL
-from .rollouts import produce_sync, synthetic_group, write_config
-from .test_checkpoint_faults import acked, run_trainer
-from .test_trainer_redis import check_exactly_once, trainer_dir
+from tests.trainer.helpers import MODEL
+from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
+from tests.trainer.test_checkpoint_faults import acked, run_trainer
+from tests.trainer.test_trainer_redis import check_exactly_once, trainer_dir
 
 
 def record(step: int) -> list[dict]:

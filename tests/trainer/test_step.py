@@ -15,9 +15,9 @@ from jet.trainer.batch import build_step
 from jet.trainer.packing import pack
 from jet.trainer.step import accumulate
 from jet.wire import Trajectory
-from tests.test_timeline_model import BUDGET, Sampler, episodes, tiny_llama
+from tests.timeline.test_model import BUDGET, Sampler, episodes, tiny_llama
 
-from .helpers import call, traj
+from tests.trainer.helpers import call, traj
 
 
 def small_batch():
@@ -43,7 +43,7 @@ def test_a_bfloat16_step_on_cpu_changes_every_parameter_and_publishes_bfloat16_w
     from safetensors.torch import load_file
 
     from jet.trainer.weights import write_weights
-    from jet.workers.hf_backend import HFBackend
+    from jet.workers.inference.hf import HFBackend
 
     cfg = TrainerConfig(lr=1e-3, dtype="bfloat16", device="cpu")
     b = TorchBackend(str(tiny_model), cfg)

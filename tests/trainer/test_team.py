@@ -25,7 +25,7 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.producer import Producer
 from jet.tasks import dataset
-from jet.up import roles_for
+from jet.cli.up import roles_for
 from jet.wire import Task, Trajectory, WeightVersion
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,11 +26,11 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.trainer.checkpoint import Checkpoints
 from jet.trainer.link import Link
-from jet.trainer.metrics import read
+from jet.runs import read_metrics as read
 from jet.wire import WeightVersion
 
-from .helpers import MODEL, traj
-from .rollouts import produce_sync, stream_state, synthetic_group, write_config
+from tests.trainer.helpers import MODEL, traj
+from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,7 +178,7 @@ def test_max_staleness_zero_trains_only_the_current_version(tiny_model, redis_ur
 @pytest.mark.slow
 def test_published_weights_are_on_disk_hashed_and_announced(tiny_model, redis_url, keys, tmp_path):
     from jet.trainer import loop
-    from jet.workers.hf_backend import HFBackend
+    from jet.workers.inference.hf import HFBackend
 
     rng = random.Random(4)
     cfg = load_file(write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=2,

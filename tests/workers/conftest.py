@@ -21,7 +21,7 @@ from jet.queues.connect import connect
 from jet.queues.producer import Producer
 from jet.wire import Task, Trajectory
 
-from ..queues.helpers import eventually
+from tests.queues.helpers import eventually
 
 MODEL = "tiny"
 

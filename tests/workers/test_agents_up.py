@@ -24,8 +24,8 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import WeightVersion
 
-from .conftest import MODEL, trajectories
-from .test_arith import long_model  # noqa: F401 - a fixture
+from tests.workers.conftest import MODEL, trajectories
+from tests.workers.test_arith import long_model  # noqa: F401 - a fixture
 
 TASKS = {  # task: (workflow, dataset)
     "langchain": ("jet.tasks.units:workflow", "units"),

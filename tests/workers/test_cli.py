@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from jet.workers.cli import worker
 
-from .conftest import write_config
+from tests.workers.conftest import write_config
 
 
 def test_worker_group_lists_env_and_infer():
@@ -20,7 +20,7 @@ def test_worker_group_lists_env_and_infer():
 
 @pytest.mark.slow
 def test_worker_modules_import_no_torch():
-    code = ("import sys, jet.workers.cli, jet.workers.env, jet.workers.infer, jet.llm, jet.tasks.guess; "
+    code = ("import sys, jet.workers.cli, jet.workers.rollout.worker, jet.workers.inference.worker, jet.llm, jet.tasks.guess; "
             "heavy = sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)); "
             "sys.exit(str(heavy) if heavy else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 import yaml
 
-from .conftest import MODEL, ROOT, Procs, enqueue, trajectories, wait_for
-from .test_runtime import two_runtimes
+from tests.workers.conftest import MODEL, ROOT, Procs, enqueue, trajectories, wait_for
+from tests.workers.rollout.test_runtimes import two_runtimes
 
 
 @pytest.mark.slow

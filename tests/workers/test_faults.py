@@ -11,7 +11,7 @@ import pytest
 
 from jet.queues.connect import connect
 
-from .conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
+from tests.workers.conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
 
 
 async def pending_of(r, stream: str, group: str, consumer: str) -> list[str]:

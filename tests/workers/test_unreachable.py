@@ -14,14 +14,14 @@ import pytest
 from jet.queues.server import EmbeddedServer, free_port
 from jet.supervisor import EXIT_FATAL
 
-from .conftest import ROOT, write_config
+from tests.workers.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py: the process guard)
 ROLES = {
-    "infer": ["-m", "jet.workers.infer"],
-    "env": ["-m", "jet.workers.env"],
+    "infer": ["-m", "jet.workers.inference.worker"],
+    "env": ["-m", "jet.workers.rollout.worker"],
     "train": ["-m", "jet.trainer.cli"],
-    "gateway": ["-m", "jet.workers.gateway", "--port", "0"],
+    "gateway": ["-m", "jet.workers.gateway.app", "--port", "0"],
 }
 
 

@@ -1,0 +1,3 @@
+from jet.cli.main import main
+
+main()

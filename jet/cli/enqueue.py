@@ -1,0 +1,173 @@
+"""`jet enqueue`: dataset rows -> Task messages on `tasks:<task>`.
+
+Each row becomes `group_size` Tasks sharing a fresh `group_id` (one GRPO
+group). Rows come from a JSONL file (one JSON object a line) or a built-in
+dataset (`jet.tasks.dataset`). Writes go through the bounded `Producer`
+with dedup markers, so a full stream makes enqueue wait (never drop) and a
+retried batch never adds a task twice.
+
+Invariant: a file is validated whole before anything is written: every
+non-blank line must be a JSON object whose task entry fits the entry limit
+(`queues.max_entry_bytes`); the first that does not is an error naming the
+file, the line and why, and the stream is left untouched. What was written is
+said exactly: tasks, rows, group size and stream (and, when Redis fails
+midway, how many went in before it did).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+import click
+
+from jet.cli.options import DEFAULT_RUN, load_config, redis_url_option, resolve_url, run_dir_option, run_option
+from jet.errors import CodecError, ConfigError, JetError
+from jet.keys import Keys, check_name
+from jet.wire import Task
+
+SEND_CHUNK = 100  # tasks per Producer.send: one atomic PRODUCE call unless the stream is full
+
+
+def tasks_for(task: str, rows: list[dict], group_size: int) -> list[Task]:
+    out = []
+    for row in rows:
+        gid = uuid.uuid4().hex
+        out += [Task(task, row, gid, i, group_size) for i in range(group_size)]
+    return out
+
+
+def encode_rows(task: str, rows: list[tuple[str, dict]], group_size: int, max_bytes: int,
+                keep: int | None = None) -> list[dict]:
+    """The entries of the `group_size` tasks of each of the first `keep` rows (all by default); later rows
+    are checked (one task each) but not kept. `rows` are (where, row), `where` naming the row
+    (`file:line`); a row whose entry cannot be encoded or exceeds `max_bytes` is a ConfigError naming it."""
+    from jet.queues.codec import entry_size
+
+    entries = []
+    for i, (where, row) in enumerate(rows):
+        kept = keep is None or i < keep
+        for t in tasks_for(task, [row], group_size if kept else 1):
+            try:
+                fields = t.to_fields()
+            except CodecError as e:
+                raise ConfigError(f"{where}: cannot be written as a task: {e}") from None
+            size = entry_size(fields)
+            if size > max_bytes:
+                raise ConfigError(f"{where}: its task entry is {size} bytes, over the entry limit "
+                                  f"queues.max_entry_bytes ({max_bytes}); nothing was written")
+            if kept:
+                entries.append(fields)
+    return entries
+
+
+async def write(url: str, run: str, task: str, entries: list[dict], maxlen: int,
+                progress: Callable[[int], None] | None = None) -> int:
+    """Send encoded task entries to tasks:<task>; `progress(k)` after each k sent."""
+    from jet.queues.connect import connect
+    from jet.queues.producer import Producer
+
+    keys = Keys(run)
+    r = await connect(url)
+    try:
+        prod = Producer(r, url, keys, keys.tasks(task), maxlen=maxlen, dedup=True)
+        for i in range(0, len(entries), SEND_CHUNK):
+            chunk = entries[i:i + SEND_CHUNK]
+            await prod.send(chunk)
+            if progress:
+                progress(len(chunk))
+    finally:
+        await r.aclose()
+    return len(entries)
+
+
+async def enqueue(url: str, run: str, task: str, tasks: list[Task], maxlen: int, progress=None) -> int:
+    """Send Tasks to tasks:<task> (what `jet feed` and `jet up` top up with); returns how many."""
+    return await write(url, run, task, [t.to_fields() for t in tasks], maxlen, progress)
+
+
+def _rows(file: str | None, dataset: str | None, n: int | None, seed: int) -> tuple[list[tuple[str, dict]], int, str]:
+    """Every row (with where it comes from: a file is checked whole), how many to take, and where from."""
+    if file:
+        from jet.rows import numbered
+
+        rows = list(numbered(file))
+        if not rows:
+            raise ConfigError(f"{file}: no rows")
+        taken = min(n, len(rows)) if n else len(rows)
+        return rows, taken, f"from {file}" + (f" (first {taken} of {len(rows)} rows)" if taken < len(rows) else "")
+    from jet.tasks import dataset as builtin
+
+    rows = builtin(dataset, n=n or 100, seed=seed)
+    return [(f"dataset {dataset!r} row {i}", r) for i, r in enumerate(rows)], len(rows), f"from dataset {dataset!r}"
+
+
+@click.command("enqueue")
+@click.argument("task")
+@click.option("--file", "file", type=click.Path(exists=True, dir_okay=False), help="A .jsonl, .parquet or .csv file.")
+@click.option("--dataset", help="A built-in dataset name (e.g. guess, arith), a dataset folder or a Hub dataset "
+                                "(owner/name[?config=C&split=S&revision=R]).")
+@click.option("-n", "--n", "n", type=int, default=None, help="Rows to take (built-in default 100).")
+@click.option("--group-size", type=int, default=None, help="Copies per row sharing a group id (default: config or 4).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of a built-in dataset.")
+@click.option("--maxlen", type=int, default=100_000, show_default=True, help="Bound of the tasks stream.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="Take run, dataset and group size from this config's task.")
+@run_option
+@redis_url_option
+@run_dir_option
+def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redis_url, run_dir):
+    """Write rows as Task messages to tasks:TASK (group_size copies each)."""
+    try:
+        check_name("task", task)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="TASK") from None
+    cfg = None
+    if config_path:
+        cfg = load_config(config_path)
+        try:
+            tc = cfg.task(task)
+        except KeyError:
+            raise click.UsageError(f"task {task!r} is not in {config_path}") from None
+        run = run or cfg.run
+        dataset = dataset or (None if file else tc.dataset)
+        group_size = group_size or tc.group_size
+    if dataset and not file:
+        from jet.rows import kind
+
+        try:
+            if kind(dataset) != "builtin":
+                file, dataset = dataset, None
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--dataset") from None
+    if bool(file) == bool(dataset):
+        raise click.UsageError("give exactly one of --file or --dataset (or --config)")
+    if group_size is not None and group_size < 1:
+        raise click.UsageError("--group-size must be >= 1")
+    url = resolve_url(redis_url, run_dir)
+    group_size = group_size or 4
+    from jet.queues.codec import DEFAULT_MAX_BYTES
+
+    max_bytes = cfg.queues.max_entry_bytes if config_path else DEFAULT_MAX_BYTES
+    try:
+        rows, taken, source = _rows(file, dataset, n, seed)
+        entries = encode_rows(task, rows, group_size, max_bytes, keep=taken)
+    except (ConfigError, KeyError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    import anyio
+    from rich.progress import Progress
+
+    stream, sent = Keys(run or DEFAULT_RUN).tasks(task), [0]
+    with Progress(transient=True) as bar:
+        tid = bar.add_task(f"tasks:{task}", total=len(entries))
+
+        def progress(k: int) -> None:
+            sent[0] += k
+            bar.advance(tid, k)
+
+        try:
+            anyio.run(write, url, run or DEFAULT_RUN, task, entries, maxlen, progress)
+        except JetError as e:
+            raise click.ClickException(f"{e}; {sent[0]} of {len(entries)} tasks had been written to {stream} "
+                                       "(the rest were not)") from None
+    click.echo(f"enqueued {len(entries)} tasks ({taken} rows x {group_size}) to {stream} {source}")

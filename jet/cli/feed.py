@@ -1,0 +1,287 @@
+"""The feeder of `jet up`: keeps every task stream topped up and watches progress.
+
+Topping up: each tick, a task whose backlog (unread + pending Tasks of the
+`env` group) is below its target gets more rows, in `group_size` copies, from
+its dataset: built-in datasets in deterministic chunks (chunk k uses seed
+`trainer.seed + k`), files and Hub datasets (jet.rows) read once and cycled. Backlog targets follow the tasks'
+`weight`s, so the offered mix matches the configured ratio.
+Admission (`trainer.admission: staleness`, the default): a trained model's
+episodes start only while the trajectories admitted for it and not yet decided
+by its trainer (trained, stale, failed, dropped with a small group, malformed,
+poison) stay within `(max_staleness + 1) x batch_groups` groups, so the swarm
+never generates a sample only for it to arrive stale (AReaL's admission rule).
+Both counts live in the hash `Keys.rollout(model)`: `admitted`, which the
+feeder raises as it enqueues, and `counts`, the trainer's outcome counts,
+rewritten after every step (and restored from its checkpoint on a resume).
+Within the budget, rows go to the task furthest below its weight's share. Tasks
+enqueued by hand (`jet enqueue`) are not admitted: they run as they come.
+Progress: it XREADs the `traj:<model>` streams without a group (it must never
+hold back trimming) and keeps the count and rewards of the trajectories it saw.
+
+Synchronous on the outside (the `jet up` loop is), async inside via a portal.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio.from_thread
+import click
+
+from jet.cli.options import config_options, load_config, redis_url_option, resolve_url, run_dir_option
+from jet.config import JetConfig
+from jet.keys import GROUP_ENV, Keys
+from jet.wire import Task, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Feeder:
+    def __init__(self, cfg: JetConfig, url: str, *, backlog_per_weight: int | None = None):
+        self.cfg, self.url, self.keys = cfg, url, Keys(cfg.run)
+        total = sum(t.weight for t in cfg.tasks) or 1.0
+        base = backlog_per_weight or max(64, 2 * max(t.concurrency for t in cfg.tasks) * 2)
+        self.target = {t.name: max(t.group_size, int(base * t.weight / total * len(cfg.tasks))) for t in cfg.tasks}
+        self.chunk = {t.name: 0 for t in cfg.tasks}
+        self.file_pos = {t.name: 0 for t in cfg.tasks}
+        self.file_rows: dict[str, list[dict]] = {}  # task -> rows of its file or Hub dataset
+        self.cursor = {m.name: "0-0" for m in cfg.models}
+        self.trajectories = 0
+        self.failed = 0
+        self.rewards: list[float] = []
+        self.enqueued = {t.name: 0 for t in cfg.tasks}
+        self.outcomes: dict[str, dict[str, int]] = {}  # model -> its trainer's outcome counts (admission)
+        self.last_report: list[tuple] = []
+        self._cm = anyio.from_thread.start_blocking_portal()
+        self.portal = self._cm.__enter__()
+        try:
+            self.r = self.portal.call(self._connect)
+            self.portal.call(self._start_cursors)
+        except BaseException:  # e.g. a fatal MOVED or refused password: the portal thread must not outlive us
+            self._cm.__exit__(None, None, None)
+            raise
+
+    async def _connect(self):
+        from jet.queues.connect import connect
+
+        return await connect(self.url)
+
+    async def _start_cursors(self) -> None:
+        """Count only trajectories made from now on (the run may hold older ones)."""
+        from jet.queues.connect import translated
+
+        with translated(self.url):
+            await self._cursors()
+
+    async def _cursors(self) -> None:
+        for m in self.cfg.models:
+            last = await self.r.xrevrange(self.keys.traj(m.name), count=1)
+            if last:
+                self.cursor[m.name] = last[0][0].decode()
+
+    def close(self) -> None:
+        try:
+            self.portal.call(self.r.aclose)
+        finally:
+            self._cm.__exit__(None, None, None)
+
+    # -- topping up -----------------------------------------------------------
+
+    def tick(self) -> None:
+        from jet.queues.connect import translated
+
+        async def tick() -> None:
+            with translated(self.url):  # a redis error is a JetError here: fatal ones end `jet up`
+                await self._tick()
+
+        self.portal.call(tick)
+
+    async def _tick(self) -> None:
+        report, want = [], {}
+        for t in self.cfg.tasks:
+            stream = self.keys.tasks(t.name)
+            backlog, length, pending, lag = await self._backlog(stream)
+            report.append((self.keys.short(stream), length, pending, lag))
+            want[t.name] = max(0, -(-(self.target[t.name] - backlog) // t.group_size))
+        budgets = await self._budgets()
+        allotted = allot(self.cfg.tasks, want, budgets, self.enqueued)
+        for t in self.cfg.tasks:
+            if allotted[t.name]:
+                await self._enqueue(t, self._rows(t, allotted[t.name]))
+        for m in self.cfg.models:
+            await self._watch(m.name)
+            report.append((self.keys.short(self.keys.traj(m.name)), await self.r.xlen(self.keys.traj(m.name)), "", ""))
+        self.last_report = report
+
+    async def _backlog(self, stream: str) -> tuple[int, int, Any, Any]:
+        length = await self.r.xlen(stream)
+        groups = {g["name"]: g for g in await self.r.xinfo_groups(stream)} if length else {}
+        g = groups.get(GROUP_ENV.encode())
+        if g is None:
+            return length, length, 0, length
+        lag = g["lag"] if g["lag"] is not None else length
+        return lag + g["pending"], length, g["pending"], lag
+
+    def _rows(self, t, n: int) -> list[dict]:
+        from jet.rows import kind
+
+        if kind(t.dataset) != "builtin":
+            from jet.rows import read
+
+            if t.name not in self.file_rows:  # read (and validated) once: a parquet or Hub dataset is no tail
+                self.file_rows[t.name] = read(t.dataset)
+            rows = self.file_rows[t.name]
+            if not rows:
+                return []
+            start = self.file_pos[t.name]
+            self.file_pos[t.name] = (start + n) % len(rows)
+            return [rows[(start + i) % len(rows)] for i in range(n)]
+        from jet.tasks import dataset
+
+        k = self.chunk[t.name]
+        self.chunk[t.name] += 1
+        return dataset(t.dataset, n=n, seed=self.cfg.trainer.seed * 100_003 + k)
+
+    async def _enqueue(self, t, rows: list[dict]) -> None:
+        from jet.cli.enqueue import enqueue, tasks_for
+
+        tasks: list[Task] = tasks_for(t.name, rows, t.group_size)
+        maxlen = self.cfg.queues.maxlen.get("tasks", 100_000)
+        sent = await enqueue(self.url, self.cfg.run, t.name, tasks, maxlen)
+        self.enqueued[t.name] += sent
+        if self._admitted(t.model):
+            await self.r.hincrby(self.keys.rollout(t.model), "admitted", sent)
+
+    # -- admission --------------------------------------------------------------
+
+    def _admitted(self, model: str) -> bool:
+        """Whether `model`'s episodes are admitted against its trainer's progress."""
+        m = self.cfg.model(model)
+        return m.trainable and self.cfg.trainer_of(model).admission == "staleness"
+
+    def window(self, model: str) -> int:
+        """Trajectories of `model` that may be admitted and not yet decided: (max_staleness + 1) batches."""
+        tc = self.cfg.trainer_of(model)
+        size = max(t.group_size for t in self.cfg.tasks if t.model == model)
+        return (tc.max_staleness + 1) * tc.batch_groups * size
+
+    async def flow(self, model: str) -> tuple[int, dict[str, int]]:
+        """(trajectories admitted, the trainer's outcome counts) of `model`, from `Keys.rollout`."""
+        import orjson
+
+        raw = await self.r.hgetall(self.keys.rollout(model))
+        admitted = int(raw.get(b"admitted", 0))
+        try:
+            counts = orjson.loads(raw.get(b"counts", b"{}"))
+        except orjson.JSONDecodeError:
+            counts = {}
+        return admitted, counts if isinstance(counts, dict) else {}
+
+    async def _budgets(self) -> dict[str, int]:
+        """Trajectories each admitted model may still take now (models not admitted are absent)."""
+        out = {}
+        for model in {t.model for t in self.cfg.tasks if self._admitted(t.model)}:
+            admitted, counts = await self.flow(model)
+            done = decided(counts)
+            if admitted < done:  # a trainer resumed on a fresh server: start the window from its count
+                await self.r.hset(self.keys.rollout(model), "admitted", done)
+                admitted = done
+            out[model] = max(0, self.window(model) - (admitted - done))
+            self.outcomes[model] = counts
+        return out
+
+    # -- watching ---------------------------------------------------------------
+
+    async def _watch(self, model: str) -> None:
+        from jet.queues import codec
+
+        stream = self.keys.traj(model)
+        reply = await self.r.xread({stream: self.cursor[model]}, count=1000)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self.cursor[model] = entry_id.decode()
+                try:
+                    traj = Trajectory.from_payload(codec.decode(fields))
+                except Exception as e:  # a bad entry is the trainer's to dead-letter; just skip it here
+                    log.debug("feeder: unreadable trajectory %s: %s", entry_id, e)
+                    continue
+                self.trajectories += 1
+                if traj.failed:
+                    self.failed += 1
+                else:
+                    r = traj.reward
+                    self.rewards.append(sum(r.values()) / len(r) if isinstance(r, dict) and r else float(r or 0))
+
+    def summary(self) -> str:
+        recent = self.rewards[-64:]
+        mean = f"{sum(recent) / len(recent):.3f}" if recent else "-"
+        trained = ""
+        for model, c in sorted(self.outcomes.items()):
+            dropped = decided(c) - c.get("trained", 0) - c.get("stale", 0)  # the other final outcomes
+            trained += f"; {model}: trained {c.get('trained', 0)}, stale {c.get('stale', 0)}, dropped {dropped}"
+        return (f"enqueued {sum(self.enqueued.values())} tasks; trajectories {self.trajectories} "
+                f"({self.failed} failed); reward mean (last {len(recent)}) {mean}{trained}")
+
+
+# Trainer outcomes that end an admitted trajectory (`jet.trainer.groups.OUTCOMES` and `poison`): a retried
+# attempt is followed by another, and duplicates and late copies were never admitted on their own.
+FINAL = ("trained", "failed", "stale", "small_group", "malformed", "poison")
+
+
+def decided(counts: dict[str, int]) -> int:
+    """Admitted trajectories the trainer is done with, from its outcome counts."""
+    return sum(int(counts.get(k, 0)) for k in FINAL)
+
+
+def allot(tasks, want: dict[str, int], budgets: dict[str, int], enqueued: dict[str, int]) -> dict[str, int]:
+    """Rows to enqueue per task: at most `want`, within each admitted model's budget (trajectories;
+    models without one are unlimited), a row at a time to the task furthest below its weight's share."""
+    out = {t.name: 0 for t in tasks}
+    left = dict(budgets)
+    share = {t.name: enqueued.get(t.name, 0) for t in tasks}
+    while True:
+        open_ = [t for t in tasks if out[t.name] < want.get(t.name, 0)
+                 and left.get(t.model, t.group_size) >= t.group_size]
+        if not open_:
+            return out
+        t = min(open_, key=lambda t: (share[t.name] / t.weight if t.weight > 0 else float("inf"), t.name))
+        out[t.name] += 1
+        share[t.name] += t.group_size
+        if t.model in left:
+            left[t.model] -= t.group_size
+
+
+@click.command("feed")
+@config_options("tasks, queues, run")
+@click.option("--every", type=float, default=2.0, show_default=True, help="Seconds between top-ups.")
+@redis_url_option
+@run_dir_option
+def cli(config_path, overrides, every, redis_url, run_dir) -> None:
+    """Keep every task stream of a config topped up from its dataset (what `jet up` does)."""
+    import signal
+    import time
+
+    from jet.errors import JetError, is_fatal
+    from jet.supervisor import EXIT_FATAL
+
+    cfg = load_config(config_path, overrides)
+    try:
+        feed = Feeder(cfg, resolve_url(redis_url, run_dir))
+    except JetError as e:  # one line, and EXIT_FATAL when no restart can help (jet.supervisor)
+        click.echo(f"jet feed: error: {e}", err=True)
+        raise SystemExit(EXIT_FATAL if is_fatal(e) else 1) from None
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            feed.tick()
+            log.info("%s", feed.summary())
+            time.sleep(every)
+    except KeyboardInterrupt:
+        pass
+    except JetError as e:
+        click.echo(f"jet feed: error: {e}", err=True)
+        raise SystemExit(EXIT_FATAL if is_fatal(e) else 1) from None
+    finally:
+        feed.close()

