@@ -56,10 +56,11 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import anyio
+import msgspec
 
 from jet.chat import Conversations, Message, Template
 from jet.errors import CodecError, ConnectError, GenerationError, GenerationTimeout, JetError
@@ -253,7 +254,7 @@ class LLMClient:
         now = time.time()
         if request.deadline:  # the caller's own end (an episode's timeout) comes first when sooner
             timeout = max(0.0, min(timeout, request.deadline - now))
-        sent = replace(request, reply_to=self.reply_to, deadline=now + timeout).to_fields()
+        sent = msgspec.structs.replace(request, reply_to=self.reply_to, deadline=now + timeout).to_fields()
         waiter = self._waiting.setdefault(request.msg_id, _Waiter())
         try:
             with anyio.move_on_after(timeout):
