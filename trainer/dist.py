@@ -115,14 +115,14 @@ class Comm:
             return rows, inputs
         if self.leader:
             head = torch.tensor([len(rows), inputs.advantages.numel(), inputs.n_tokens, inputs.n_sequences])
-            meta = torch.tensor([[r.n_tokens, int(r.causal), r.n_samples] for r in rows], dtype=torch.int64)
-            ints = torch.cat([torch.stack([getattr(r, c)[0] for c in _INT_COLUMNS]) for r in rows], dim=1)
-            floats = torch.cat([torch.stack([getattr(r, c)[0] for c in _FLOAT_COLUMNS]) for r in rows], dim=1)
+            meta = torch.tensor([[*r.input_ids.shape, int(r.causal), r.n_samples] for r in rows], dtype=torch.int64)
+            ints = torch.cat([torch.stack([getattr(r, c).reshape(-1) for c in _INT_COLUMNS]) for r in rows], dim=1)
+            floats = torch.cat([torch.stack([getattr(r, c).reshape(-1) for c in _FLOAT_COLUMNS]) for r in rows], dim=1)
             tables = torch.stack([inputs.advantages, inputs.weights])
         head = self._bcast(head if self.leader else torch.zeros(4, dtype=torch.int64))
         n_rows, n_entries, n_tokens, n_seq = head.tolist()
-        meta = self._bcast(meta if self.leader else torch.zeros(n_rows, 3, dtype=torch.int64))
-        total = int(meta[:, 0].sum())
+        meta = self._bcast(meta if self.leader else torch.zeros(n_rows, 4, dtype=torch.int64))
+        total = int((meta[:, 0] * meta[:, 1]).sum())
         ints = self._bcast(ints if self.leader else torch.zeros(len(_INT_COLUMNS), total, dtype=torch.int64))
         floats = self._bcast(floats if self.leader else torch.zeros(len(_FLOAT_COLUMNS), total))
         tables = self._bcast(tables if self.leader else torch.zeros(2, n_entries))
@@ -152,9 +152,10 @@ class Comm:
 
 def _rows(meta: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> list[Row]:
     out, start = [], 0
-    for n, causal, n_samples in meta.tolist():
-        cols = {c: ints[i:i + 1, start:start + n].clone() for i, c in enumerate(_INT_COLUMNS)}
-        cols.update({c: floats[i:i + 1, start:start + n].clone() for i, c in enumerate(_FLOAT_COLUMNS)})
+    for b, width, causal, n_samples in meta.tolist():
+        n = b * width
+        cols = {c: ints[i, start:start + n].reshape(b, width).clone() for i, c in enumerate(_INT_COLUMNS)}
+        cols.update({c: floats[i, start:start + n].reshape(b, width).clone() for i, c in enumerate(_FLOAT_COLUMNS)})
         out.append(Row(causal=bool(causal), n_samples=n_samples, **cols))
         start += n
     return out

@@ -46,7 +46,7 @@ T = TypeVar("T")
 def prepare(trajectories: Sequence[Sequence[Trajectory]], tc: TrainerConfig) -> tuple[StepInputs, list[Row]]:
     """A step's inputs (advantages, weights) and packed rows from groups of trajectories."""
     inputs = build_step(trajectories, advantage=tc.advantage, loss_agg=tc.loss_agg)
-    return inputs, pack(inputs.samples, tc.micro_batch_tokens)
+    return inputs, pack(inputs.samples, tc.micro_batch_tokens, batch_linear=True)
 
 
 def guarded(intake: Intake, groups: list[Group], step: int, attempt: Callable[[list[Group]], T],

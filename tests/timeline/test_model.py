@@ -22,7 +22,7 @@ import torch
 
 from jet import sampling
 from jet.timeline import Call, Episode, merge_episodes
-from jet.trainer.losses import ppo_loss
+from jet.trainer.losses import ppo_loss, token_logprobs
 from jet.trainer.packing import Row, pack, row_logprobs
 
 VOCAB, EOS, BUDGET = 96, 95, 80
@@ -157,3 +157,66 @@ def test_exact_and_tree_train_like_none(attn):
         assert any(g.abs().max() > 1e-4 for g in ref_grads.values())
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-4, msg=f"{mode}: {name}")
+
+
+def run_rows(model: torch.nn.Module, rows: list[Row], n_trained: int) -> tuple[list[float], float, dict]:
+    """Sorted logprobs of the trained tokens, the loss and the gradients, from one pass over rows of any
+    layout ([B, L] padded batches as well as packed rows)."""
+    model.zero_grad()
+    values, total = [], 0.0
+    for row in rows:
+        lp = row_logprobs(model, row)
+        loss = ppo_loss(lp, row.behaviour_logprobs, row.rewards, row.loss_mask / n_trained, row.loss_mask,
+                        clip_eps=0.2).loss
+        loss.backward()
+        total += loss.item()
+        trained = row.loss_mask > 0
+        values += lp.detach()[trained].tolist()
+        assert torch.allclose(lp.detach()[trained], row.behaviour_logprobs[trained], atol=1e-5)
+    return sorted(values), total, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["none", "exact"])
+def test_padded_batches_of_linear_samples_train_like_packed_rows(mode):
+    """The trainer's layout (`batch_linear`: linear samples right-padded into [B, L] batches, causal
+    attention, no mask) gives the packed rows' logprobs, loss and gradients."""
+    model = tiny_llama("sdpa")
+    eps = episodes(Sampler(model))
+    samples = merge_episodes(eps, mode)
+    assert all(s.is_linear for s in samples)
+    n_trained = sum(s.n_trained for s in samples)
+    packed = pack(samples, BUDGET)
+    batched = pack(samples, BUDGET, batch_linear=True)
+    assert all(r.causal for r in batched) and any(r.input_ids.shape[0] > 1 for r in batched)
+    assert all(r.n_tokens <= BUDGET for r in batched)
+    assert sum(r.n_samples for r in batched) == sum(r.n_samples for r in packed) == len(samples)
+    lp_a, loss_a, grads_a = run_rows(model, packed, n_trained)
+    lp_b, loss_b, grads_b = run_rows(model, batched, n_trained)
+    assert len(lp_b) == n_trained and lp_b == pytest.approx(lp_a, abs=1e-5)
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    for name, g in grads_b.items():
+        torch.testing.assert_close(g, grads_a[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_row_logprobs_reads_only_the_logits_it_needs():
+    """`logits_to_keep`: the output head runs on the parents of trained tokens only, and the logprobs are
+    those of a full forward."""
+    model = tiny_llama("sdpa")
+    samples = merge_episodes(episodes(Sampler(model)), "tree")
+    kept = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda m, args, out: kept.append(args[0].shape[1]))
+    try:
+        for row in pack(samples, BUDGET):
+            trained = row.loss_mask > 0
+            with torch.no_grad():
+                lp = row_logprobs(model, row)
+                full = model(input_ids=row.input_ids, position_ids=row.position_ids,
+                             attention_mask=None if row.causal else row.attention_mask()).logits.float()
+            reference = token_logprobs(full, row.input_ids, row.parent_index, row.temperatures, row.top_ps)
+            assert torch.allclose(lp[trained], reference[trained], atol=1e-5)
+            assert bool((lp[~trained] == 0).all())
+            n_parents = len(set(row.parent_index[trained].tolist()))
+            assert kept[-2] == n_parents < row.n_tokens  # kept[-1]: the full forward above
+    finally:
+        handle.remove()
