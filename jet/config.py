@@ -26,13 +26,24 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal
 
-from pydantic import AfterValidator, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from jet import configlib, rows
 from jet.configlib import Section, hint, invalid, problem
 from jet.errors import ConfigError
-from jet.keys import STREAM_KINDS as KEY_STREAM_KINDS, check_name
+from jet.keys import STREAM_KINDS as KEY_STREAM_KINDS
+from jet.keys import check_name
 from jet.runs import RunDir
 from jet.sources import hub_id, pinned, resolve_model
 

@@ -27,10 +27,9 @@ from typing import Any
 
 import click
 
+from jet.errors import ConfigError
 from jet.runs import RunDir, weight_version_of
 from jet.wire import WEIGHTS_FILE
-from jet.errors import ConfigError
-
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:

@@ -89,8 +89,13 @@ def offline() -> bool:
 def _snapshot(repo: str, revision: str | None, key: str) -> str:
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                            RepositoryNotFoundError, RevisionNotFoundError)
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
     except ImportError:
         raise invalid(key, f"{repo!r} is a Hub id, which needs huggingface_hub (pip install huggingface_hub)") from None
     rev = revision or "main"

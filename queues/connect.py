@@ -32,8 +32,16 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from jet.errors import (AuthError, ClusterError, ConfigError, ConnectError, QueueError, ServerError,
-                        ServerVersionError, Stopped)
+from jet.errors import (
+    AuthError,
+    ClusterError,
+    ConfigError,
+    ConnectError,
+    QueueError,
+    ServerError,
+    ServerVersionError,
+    Stopped,
+)
 
 log = logging.getLogger(__name__)
 

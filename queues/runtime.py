@@ -47,9 +47,8 @@ import anyio.lowlevel
 from jet.errors import ConnectError, QueueError, is_fatal
 from jet.keys import BEST_EFFORT_GROUPS, Keys
 from jet.queues.connect import connect, retry_forever
-from jet.queues.consumer import Settings
+from jet.queues.consumer import Consumer, Settings
 from jet.queues.messages import Commit, Dead, Delivery, Drop, Outcome, Release
-from jet.queues.consumer import Consumer
 from jet.queues.producer import safe_trim
 from jet.queues.reaper import Reaper
 

@@ -192,7 +192,8 @@ def anyio_backend():
 def smollm2() -> tuple[Path, Path]:
     """(the GGUF file, its float32 conversion), fetched and converted once per machine (jet.convert.smollm2)."""
     pytest.importorskip("gguf", reason="needs the convert extra: pip install 'jet-rl[convert]'")
-    from jet.convert import FetchError, smollm2 as fetch
+    from jet.convert import FetchError
+    from jet.convert import smollm2 as fetch
 
     try:
         return fetch(Path(os.environ.get("JET_TEST_CACHE", "~/.cache/jet-test")) / "smollm2")

@@ -26,7 +26,6 @@ from jet.keys import Keys
 from jet.queues import registry
 from jet.queues.connect import connect
 from jet.queues.server import binary, free_port
-
 from tests.queues.helpers import eventually
 
 ROOT = Path(__file__).resolve().parents[1]

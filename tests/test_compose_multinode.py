@@ -18,7 +18,6 @@ import yaml
 
 from jet.config import default_config_path
 from jet.queues.server import free_port
-
 from tests.test_compose import compose as compose_file
 from tests.test_compose import redis_service
 

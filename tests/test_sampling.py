@@ -31,9 +31,8 @@ from jet.trainer.losses import token_logprobs
 from jet.trainer.packing import pack, row_logprobs
 from jet.trainer.step import micro_batch
 from jet.wire import Trajectory
-from jet.workers.inference.hf import HFBackend
-
 from jet.workers.inference.backend import SamplingParams
+from jet.workers.inference.hf import HFBackend
 
 SETTINGS = [(t, p) for t in (0.6, 1.0, 1.4) for p in (1.0, 0.9)]
 TOL = 1e-5

@@ -78,8 +78,9 @@ def test_a_hub_id_loads_from_the_cache_offline(tmp_path, offline, tiny):
     resolved = check_models(cfg)
     assert resolved.models[0].path == str(snap)
 
-    from jet.llm import Tokenizers
     from transformers import AutoModelForCausalLM
+
+    from jet.llm import Tokenizers
 
     tok = Tokenizers({"m": "org/tiny"}).get("m")  # the env worker's and gateway's way in
     assert tok.decode(tok.encode("hello world")) == "hello world"
@@ -115,8 +116,9 @@ def test_pinning_keeps_every_role_on_one_commit(offline, tiny):
 
 
 def test_not_cached_offline_is_one_line_naming_the_key(tmp_path, offline):
-    from jet.cli.options import require_models
     import click
+
+    from jet.cli.options import require_models
 
     path = config(tmp_path, "org/absent")
     with pytest.raises(click.ClickException) as e:
@@ -148,8 +150,9 @@ def test_a_missing_local_folder_still_says_how_to_build_one(tmp_path):
 
 
 def test_the_dashboard_decodes_with_a_hub_models_tokenizer(offline, tiny):
-    from jet.dash.hub import _load_decoder
     from transformers import AutoTokenizer
+
+    from jet.dash.hub import _load_decoder
 
     cache_model(offline, "org/tiny", SHA1, tiny)
     ids = AutoTokenizer.from_pretrained(tiny).encode("hello world")

@@ -48,8 +48,8 @@ from jet.keys import GROUP_TRAINER, Keys
 from jet.queues import codec, registry
 from jet.queues.connect import retry_forever, translated
 from jet.queues.consumer import Settings, consumer_name
-from jet.queues.producer import Producer
 from jet.queues.messages import Commit, Dead, Delivery
+from jet.queues.producer import Producer
 from jet.queues.runtime import Runtime
 from jet.wire import Trajectory, WeightVersion
 

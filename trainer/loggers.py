@@ -39,8 +39,8 @@ from typing import Iterable
 
 import orjson
 
-from jet.runs import TrainerFiles, read_metrics
 from jet.errors import ConfigError
+from jet.runs import TrainerFiles, read_metrics
 
 log = logging.getLogger(__name__)
 

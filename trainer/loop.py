@@ -61,16 +61,16 @@ from typing import Callable
 
 import torch
 
-from jet.runs import RunDir
 from jet.config import JetConfig, TrainerConfig, write_resolved
+from jet.runs import RunDir
 from jet.trainer.batch import mean_reward
 from jet.trainer.checkpoint import Checkpoints, die_at
 from jet.trainer.dist import Comm, Plan
-from jet.trainer.link import Link
 from jet.trainer.groups import Assembler
 from jet.trainer.guard import guarded, guarded_step, prepare
 from jet.trainer.intake import Intake
 from jet.trainer.lineage import Lineage
+from jet.trainer.link import Link
 from jet.trainer.metrics import Metrics
 from jet.trainer.optim import lr_at
 from jet.trainer.screen import Limits

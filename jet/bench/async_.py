@@ -48,9 +48,9 @@ import anyio
 import click
 import yaml
 
-from jet.runs import RunDir, read_metrics
 from jet.bench import emit, progress, redis_url_option, server_url
 from jet.keys import GROUP_TRAINER, Keys
+from jet.runs import RunDir, read_metrics
 from jet.supervisor import python_module
 
 MODEL = "tiny"
@@ -114,8 +114,8 @@ async def rollouts(url: str, keys: Keys, model_dir: Path, p: dict, seed: int, st
     weights (announced under `weights_root`) as an inference worker does."""
     from jet.queues.connect import connect
     from jet.queues.producer import Producer
-    from jet.workers.inference.hf import HFBackend
     from jet.workers.inference.backend import SamplingParams
+    from jet.workers.inference.hf import HFBackend
     from jet.workers.inference.weights import WeightFollower
 
     backend = await anyio.to_thread.run_sync(HFBackend, model_dir)

@@ -83,9 +83,8 @@ def synchronize(device: str) -> None:
 def generation(model_dir: Path, device: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
     import torch
 
-    from jet.workers.inference.hf import HFBackend
-
     from jet.workers.inference.backend import SamplingParams
+    from jet.workers.inference.hf import HFBackend
 
     backend = HFBackend(model_dir, device=device, dtype="bfloat16")
     rng = torch.Generator().manual_seed(1)

@@ -40,9 +40,9 @@ import orjson
 
 from jet.bench import progress, redis_url_option, server_url
 from jet.cli.options import run_jet
-from jet.supervisor import python_module
 from jet.errors import QueueError
 from jet.keys import Keys
+from jet.supervisor import python_module
 
 GROUP = "bench"
 GOALS = {"100B": 0.7, "40KB": 0.5}  # hop/raw the issue asks for

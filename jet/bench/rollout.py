@@ -86,8 +86,9 @@ def make_backend(kind: str, model_dir: Path, concurrency: int):
         backend = HFBackend(model_dir, max_inflight=concurrency)
         backend.eos_ids = frozenset()  # lengths are the workload's, not the random model's
         return backend
-    from jet.workers.inference.vllm import VLLMBackend
     from vllm.platforms import current_platform
+
+    from jet.workers.inference.vllm import VLLMBackend
 
     return VLLMBackend(model_dir, device="cpu" if current_platform.is_cpu() else "cuda", dtype="float32",
                        gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=concurrency)

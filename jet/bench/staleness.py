@@ -47,9 +47,8 @@ def train(model_dir: Path, seed: int, k: int, objective: str, p: dict, spread: b
     from jet.trainer.backend_torch import TorchBackend
     from jet.trainer.batch import build_step
     from jet.trainer.packing import pack
-    from jet.workers.inference.hf import HFBackend
-
     from jet.workers.inference.backend import SamplingParams
+    from jet.workers.inference.hf import HFBackend
 
     cfg = TrainerConfig.of(lr=LR, batch_groups=p["batch_groups"], micro_batch_tokens=1024, objective=objective, seed=0)
     torch.manual_seed(seed)

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import click
 
-from jet.runs import RunDir, read_metrics
-from jet.wire import WEIGHTS_FILE
 from jet.bench import emit, progress
 from jet.convert import SMOLLM2_WHEEL
+from jet.runs import RunDir, read_metrics
+from jet.wire import WEIGHTS_FILE
 
 RUN, MODEL = "bench-trl", "policy"
 

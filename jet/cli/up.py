@@ -201,8 +201,8 @@ def _start_dashboard(cfg: JetConfig, redis_url: str, log: Path, port: int):
 
 
 def _summary(cfg: JetConfig, feed, started: float, dash_url: str | None) -> None:
-    from jet.dash.training import Curves
     from jet.cli.progress import summary, write_plots
+    from jet.dash.training import Curves
 
     try:
         plots = write_plots(cfg)

@@ -24,7 +24,6 @@ from pathlib import Path
 from jet.runs import MetricsFile, RunDir
 
 
-
 @dataclass
 class Series:
     rows: array = field(default_factory=lambda: array("q"))  # index of the line the point came from

@@ -37,9 +37,9 @@ import anyio
 
 from jet.runs import MetricsFile, RunDir, read_metrics
 from jet.study import ledger
-from jet.supervisor import python_module
 from jet.study.keeper import EXIT_NO_LEASE
 from jet.study.messages import Progress, RunRequest, RunResult
+from jet.supervisor import python_module
 
 POLL_S = 0.5
 FATAL = "stopped with an error that restarting cannot fix"  # jet.supervisor's words for a fatal exit

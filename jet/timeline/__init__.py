@@ -8,8 +8,8 @@ The package's parts, each importing only the ones above it:
 The proof that merging is exact is in docs/design.md, "Timelines".
 """
 
-from jet.timeline.model import MODES, Call, Episode, Mode, Sample
 from jet.timeline.merge import merge_calls, merge_episodes
+from jet.timeline.model import MODES, Call, Episode, Mode, Sample
 from jet.timeline.split import split_sample, truncate_sample
 
 __all__ = ["MODES", "Call", "Episode", "Mode", "Sample", "merge_calls", "merge_episodes", "split_sample",

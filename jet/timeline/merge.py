@@ -48,9 +48,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jet.timeline.tree import tree_columns
 from jet.timeline.model import MODES, Call, Episode, Mode, Sample, prune
-
+from jet.timeline.tree import tree_columns
 
 # --- building samples ---------------------------------------------------------
 #

@@ -10,7 +10,6 @@ import orjson
 import pytest
 
 from jet.keys import Keys
-
 from tests.cli.test_fail_loudly import run_on_other_node, write_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

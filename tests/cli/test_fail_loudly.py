@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from jet.config import default_config_path
-
 from jet.keys import Keys
 from jet.supervisor import EXIT_FATAL, Child, Supervisor
 

@@ -10,8 +10,8 @@ import uuid
 import orjson
 import redis
 
-from jet.config import load
 from jet.cli.feed import Feeder, allot, decided
+from jet.config import load
 from jet.keys import Keys
 
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from jet.config import load_file
 from jet.cli.init import cli as init_cli
 from jet.cli.init import run_name
+from jet.config import load_file
 
 
 def test_init_writes_a_project_whose_config_loads(tmp_path):

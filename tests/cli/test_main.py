@@ -13,7 +13,6 @@ from jet.cli.main import main
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import Task
-
 from tests.queues.helpers import close, make_consumer
 
 JET = [sys.executable, "-m", "jet.cli"]

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from jet.config import default_config_path
 from jet.cli.up import cli as up_cli
+from jet.config import default_config_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,8 +82,8 @@ def test_a_jet_folder_where_jet_up_runs_shadows_nothing(tmp_path):
 
 
 def test_each_cpu_role_gets_its_share_of_the_cores(tmp_path, monkeypatch):
-    from jet.config import load
     from jet.cli.up import roles_for, thread_shares
+    from jet.config import load
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     data = yaml.safe_load(write_config(tmp_path).read_text())

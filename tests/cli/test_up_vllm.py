@@ -12,7 +12,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from jet.models import init_model  # noqa: E402
-
 from tests.cli.test_up import write_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

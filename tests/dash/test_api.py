@@ -115,7 +115,8 @@ def test_actions_refuse_bad_bodies_forms_and_other_origins(client, redis_url, ke
 def test_loopback_answers_loopback_names_only_and_a_token_guards_the_rest(redis_url, keys, runs_dir):
     from starlette.testclient import TestClient
 
-    from jet.dash.server import Settings as DashSettings, create_app
+    from jet.dash.server import Settings as DashSettings
+    from jet.dash.server import create_app
 
     loop = TestClient(create_app(DashSettings(redis_url=redis_url, runs_dir=str(runs_dir), run=keys.run)),
                       base_url="http://127.0.0.1:8265")

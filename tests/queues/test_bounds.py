@@ -13,10 +13,9 @@ from jet.errors import QueueError
 from jet.queues import admin, codec
 from jet.queues.connect import connect
 from jet.queues.consumer import DEAD_ORIGINAL_MAX, Settings, default_marker_ttl
-from jet.queues.producer import Producer
 from jet.queues.messages import Commit
+from jet.queues.producer import Producer
 from jet.queues.runtime import Runtime
-
 from tests.queues.helpers import close, entry, make_consumer, read_all
 
 pytestmark = pytest.mark.anyio

@@ -22,7 +22,6 @@ from jet.queues.consumer import Consumer
 from jet.queues.messages import Commit
 from jet.queues.producer import Producer, safe_trim
 from jet.queues.server import EmbeddedServer
-
 from tests.queues.helpers import close, entry, eventually, make_consumer
 from tests.queues.test_faults import assert_exactly_once, fill, spawn, wait_outputs, wait_ready
 

@@ -8,8 +8,6 @@ import pytest
 
 from jet.errors import CodecError
 from jet.queues import codec
-
-
 from tests.queues.helpers import close, entry, make_consumer, read_all, serve
 
 

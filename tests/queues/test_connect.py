@@ -24,7 +24,6 @@ from jet.errors import AuthError, ConfigError, ConnectError, ServerError, Server
 from jet.queues.connect import connect, redact, retry_forever, translated
 from jet.queues.producer import Producer
 from jet.queues.server import EmbeddedServer, free_port
-
 from tests.queues.helpers import close, entry, make_consumer, read_all
 
 pytestmark = pytest.mark.anyio

@@ -10,13 +10,10 @@ import pytest
 
 from jet.keys import GROUP_ENV, GROUP_ENV_SHADOW
 from jet.queues import codec
+from jet.queues.connect import connect
 from jet.queues.consumer import consumer_name
 from jet.queues.producer import Producer, safe_trim
 from jet.queues.reaper import Reaper
-
-
-from jet.queues.connect import connect
-
 from tests.queues.helpers import close, entry, eventually, idle_ms, make_consumer, read_all, serve
 
 ROOT = Path(__file__).resolve().parents[2]

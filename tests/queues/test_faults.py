@@ -18,9 +18,7 @@ from jet.keys import Keys
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.producer import Producer
-
 from jet.queues.server import EmbeddedServer
-
 from tests.queues.helpers import close, entry, eventually, make_consumer, read_all, serve
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,10 +13,9 @@ import pytest
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.consumer import Settings
-from jet.queues.producer import Producer
 from jet.queues.messages import Commit, Dead, Drop
+from jet.queues.producer import Producer
 from jet.queues.runtime import Runtime
-
 from tests.queues.helpers import entry, eventually, idle_ms, read_all
 
 pytestmark = pytest.mark.anyio

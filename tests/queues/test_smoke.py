@@ -2,8 +2,6 @@ import anyio
 import pytest
 
 from jet.queues.producer import Producer
-
-
 from tests.queues.helpers import close, entry, make_consumer, read_all, serve
 
 pytestmark = pytest.mark.anyio

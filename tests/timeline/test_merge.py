@@ -9,10 +9,10 @@ import torch
 
 from jet.errors import CodecError
 from jet.queues import codec
-from jet.wire import Trajectory
 from jet.timeline import Call, Episode, Sample, merge_calls, merge_episodes, split_sample
 from jet.trainer.losses import token_logprobs
 from jet.trainer.packing import pack, pack_row
+from jet.wire import Trajectory
 
 EOS = 99
 

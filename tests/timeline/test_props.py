@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jet.timeline import MODES, Call, Episode, Sample, merge_calls, merge_episodes, split_sample, truncate_sample
 from jet.queues import codec
+from jet.timeline import MODES, Call, Episode, Sample, merge_calls, merge_episodes, split_sample, truncate_sample
 from jet.trainer.packing import pack
 from jet.wire import Trajectory
 

@@ -14,7 +14,6 @@ from jet.queues.connect import connect
 from jet.queues.producer import Producer
 from jet.timeline import Call, merge_calls
 from jet.wire import Trajectory
-
 from tests.trainer.helpers import MODEL
 
 

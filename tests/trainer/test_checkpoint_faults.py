@@ -33,7 +33,6 @@ from jet.config import load_file
 from jet.keys import GROUP_TRAINER
 from jet.queues.connect import connect
 from jet.trainer.checkpoint import DIE_AT_ENV, STATE_FILE, Checkpoints
-
 from tests.trainer.helpers import traj
 from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 from tests.trainer.test_trainer_redis import ROOT, check_exactly_once, trainer_dir, wait_until

@@ -22,7 +22,6 @@ import pytest
 
 from jet.keys import Keys
 from jet.runs import read_metrics as read
-
 from tests.trainer.helpers import MODEL
 from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 

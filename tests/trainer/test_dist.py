@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jet.trainer.dist import Comm, collective_device
 from jet.queues.server import free_port
+from jet.trainer.dist import Comm, collective_device
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("input_ids", "position_ids", "parent_index", "subtree_end", "versions", "seq", "loss_mask",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from jet.trainer.groups import Assembler, Entry, staleness
-
 from tests.trainer.helpers import call, traj
 
 

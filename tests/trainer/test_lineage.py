@@ -18,9 +18,8 @@ import signal
 import pytest
 
 from jet.config import load_file
-from jet.trainer.lineage import Lineage
 from jet.runs import read_metrics as read
-
+from jet.trainer.lineage import Lineage
 from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
 from tests.trainer.test_trainer_redis import check_exactly_once, signal_at_step, start_trainer, trainer_dir
 

@@ -15,7 +15,6 @@ import pytest
 from jet.config import load_file
 from jet.runs import read_metrics as read
 from jet.trainer.metrics import Metrics
-
 from tests.trainer.helpers import MODEL
 from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
 from tests.trainer.test_trainer_redis import signal_at_step, start_trainer, trainer_dir

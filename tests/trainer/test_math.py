@@ -14,7 +14,6 @@ from jet.trainer.batch import build_step
 from jet.trainer.losses import k3_kl, ppo_loss
 from jet.trainer.optim import lr_at
 from jet.trainer.packing import pack
-
 from tests.trainer.helpers import MODEL, call, traj
 
 

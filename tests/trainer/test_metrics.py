@@ -9,8 +9,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from jet.trainer.cli import plot, train
 from jet.runs import read_metrics as read
+from jet.trainer.cli import plot, train
 from jet.trainer.metrics import Metrics
 
 

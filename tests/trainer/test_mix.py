@@ -18,7 +18,6 @@ import pytest
 from jet.config import load_file
 from jet.runs import read_metrics as read
 from jet.trainer.mix import allocate
-
 from tests.trainer.helpers import MODEL
 from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
 

@@ -25,15 +25,14 @@ import torch
 from jet.config import load_file
 from jet.queues import codec
 from jet.queues.connect import connect
+from jet.runs import read_metrics as read
 from jet.timeline import Call
 from jet.trainer.backend_torch import TorchBackend
 from jet.trainer.checkpoint import Checkpoints
-from jet.trainer.link import Link
 from jet.trainer.groups import Assembler
 from jet.trainer.guard import guarded, guarded_step, prepare
 from jet.trainer.intake import Intake
-from jet.runs import read_metrics as read
-
+from jet.trainer.link import Link
 from tests.trainer.helpers import MODEL, traj
 from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 from tests.trainer.test_trainer_redis import trainer_dir

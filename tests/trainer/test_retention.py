@@ -19,8 +19,7 @@ from jet.config import load_file
 from jet.queues import registry
 from jet.queues.connect import connect
 from jet.trainer.checkpoint import DIE_AT_ENV, STATE_FILE, Checkpoints
-from jet.trainer.weights import published_versions, prune_weights
-
+from jet.trainer.weights import prune_weights, published_versions
 from tests.trainer.helpers import MODEL
 from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
 from tests.trainer.test_checkpoint_faults import acked, run_trainer

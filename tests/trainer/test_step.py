@@ -16,7 +16,6 @@ from jet.trainer.packing import pack
 from jet.trainer.step import accumulate
 from jet.wire import Trajectory
 from tests.timeline.test_model import BUDGET, Sampler, episodes, tiny_llama
-
 from tests.trainer.helpers import call, traj
 
 

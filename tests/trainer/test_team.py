@@ -19,13 +19,13 @@ import anyio
 import pytest
 import yaml
 
+from jet.cli.up import roles_for
 from jet.config import load_file
 from jet.models import init_model
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.producer import Producer
 from jet.tasks import dataset
-from jet.cli.up import roles_for
 from jet.wire import Task, Trajectory, WeightVersion
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,11 +24,10 @@ import pytest
 from jet.config import load_file
 from jet.queues import codec
 from jet.queues.connect import connect
+from jet.runs import read_metrics as read
 from jet.trainer.checkpoint import Checkpoints
 from jet.trainer.link import Link
-from jet.runs import read_metrics as read
 from jet.wire import WeightVersion
-
 from tests.trainer.helpers import MODEL, traj
 from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 

@@ -20,7 +20,6 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.queues.producer import Producer
 from jet.wire import Task, Trajectory
-
 from tests.queues.helpers import eventually
 
 MODEL = "tiny"

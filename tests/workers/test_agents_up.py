@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import WeightVersion
-
 from tests.workers.conftest import MODEL, trajectories
 from tests.workers.test_arith import long_model  # noqa: F401 - a fixture
 

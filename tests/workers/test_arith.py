@@ -19,12 +19,11 @@ from jet.models import init_model
 from jet.queues.connect import connect
 from jet.tasks import dataset
 from jet.tasks.arith import TOOLS, Attempt, calculator, last_number, score
-from jet.workers.rollout import worker as env
 from jet.workers.inference import worker as infer
-
+from jet.workers.rollout import worker as env
 from tests.workers.conftest import MODEL, enqueue, trajectories, wait_for, write_config
-from tests.workers.test_e2e import assert_logprobs_match_a_forward_pass, load_model, runs
 from tests.workers.gateway.test_gateway import ScriptedBackend, standalone_gateway
+from tests.workers.test_e2e import assert_logprobs_match_a_forward_pass, load_model, runs
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import pytest
 from click.testing import CliRunner
 
 from jet.workers.cli import worker
-
 from tests.workers.conftest import write_config
 
 

@@ -19,9 +19,8 @@ from jet.queues import admin, codec, registry
 from jet.queues.connect import connect
 from jet.tasks import dataset
 from jet.tasks.guess import score
-from jet.workers.rollout import worker as env
 from jet.workers.inference import worker as infer
-
+from jet.workers.rollout import worker as env
 from tests.workers.conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
 
 LOGPROB_ATOL = 1e-4  # float32 on CPU: batched, left-padded, KV-cached decoding vs one unpadded forward

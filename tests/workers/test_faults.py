@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from jet.queues.connect import connect
-
 from tests.workers.conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
 
 

@@ -13,7 +13,6 @@ import pytest
 
 from jet.queues.server import EmbeddedServer, free_port
 from jet.supervisor import EXIT_FATAL
-
 from tests.workers.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py: the process guard)

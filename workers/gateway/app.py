@@ -83,10 +83,10 @@ from jet.queues.connect import connect, retry_forever
 from jet.workers.gateway import chat as chat_api
 from jet.workers.gateway import responses as responses_api
 from jet.workers.gateway.auth import Claims, InvalidKey, Signer, load_secret
-from jet.workers.gateway.sessions import Episodes, LocalSessions, RecordingSessions, Sessions, remember, responses_of
+from jet.workers.gateway.chat import BadRequest, ChatRequest, error_body
 from jet.workers.gateway.formats import ChatFormat, ModelInfo, ResponsesFormat, classify, stop_ids
 from jet.workers.gateway.http import GRACE_S, EventStream, Limiter, Limits, read_json, serving, watching
-from jet.workers.gateway.chat import BadRequest, ChatRequest, error_body
+from jet.workers.gateway.sessions import Episodes, LocalSessions, RecordingSessions, Sessions, remember, responses_of
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from jet.queues import codec
 from jet.workers.gateway import chat as chat_api
 from jet.workers.gateway import responses as responses_api
 from jet.workers.gateway.auth import InvalidKey
-from jet.workers.gateway.http import TooLarge
 from jet.workers.gateway.chat import BadRequest, ChatRequest
+from jet.workers.gateway.http import TooLarge
 
 ENTRY_TOKENS = (codec.DEFAULT_MAX_BYTES - 64 * 1024) // 4  # prompt ids that fit in one generation request
 

@@ -30,8 +30,20 @@ from typing import Annotated, Any, Iterator, Literal
 import orjson
 from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from jet.workers.gateway.chat import (STREAM_PIECE, Arguments, BadRequest, Body, ChatRequest, Count, Format, Sampling,
-                                      finish_reason, parse, parts, refused)
+from jet.workers.gateway.chat import (
+    STREAM_PIECE,
+    Arguments,
+    BadRequest,
+    Body,
+    ChatRequest,
+    Count,
+    Format,
+    Sampling,
+    finish_reason,
+    parse,
+    parts,
+    refused,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 PART_TYPES = ("input_text", "output_text", "text")

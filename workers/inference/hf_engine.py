@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from jet.workers.inference.gate import WeightGate
 from jet.workers.inference.backend import GenOutput, SamplingParams, generator, pick_tokens
+from jet.workers.inference.gate import WeightGate
 
 if TYPE_CHECKING:
     import torch

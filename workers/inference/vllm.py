@@ -38,8 +38,8 @@ import anyio
 
 from jet.errors import ConfigError, WeightsError
 from jet.wire import WEIGHTS_FILE, file_sha256
-from jet.workers.inference.gate import WeightGate
 from jet.workers.inference.backend import GenOutput, SamplingParams, request_error, version_in
+from jet.workers.inference.gate import WeightGate
 
 log = logging.getLogger(__name__)
 

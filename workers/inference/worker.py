@@ -44,7 +44,6 @@ from typing import Any
 import anyio
 import click
 
-from jet.runs import RunDir
 from jet.cli.options import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig
 from jet.errors import CodecError
@@ -53,6 +52,7 @@ from jet.queues.connect import connect, retry_forever, translated
 from jet.queues.consumer import Settings, consumer_name
 from jet.queues.messages import Commit, Dead, Delivery, Drop, Outcome
 from jet.queues.runtime import Runtime
+from jet.runs import RunDir
 from jet.wire import GenRequest, GenResult
 from jet.workers.inference.backend import SamplingParams
 from jet.workers.inference.weights import WeightFollower

@@ -83,10 +83,10 @@ from jet.queues.messages import Commit, Dead, Delivery, Drop, Outcome
 from jet.queues.runtime import Runtime
 from jet.supervisor import mark_ready
 from jet.wire import Task
-from jet.workers.rollout.episode import Outcome as Episode
-from jet.workers.rollout.episode import code_version, load_function, play, trajectories, warn_no_llm_calls
 from jet.workers.gateway.app import KEY_GRACE_S, episode_gateway, pool_size
 from jet.workers.gateway.sessions import Episodes
+from jet.workers.rollout.episode import Outcome as Episode
+from jet.workers.rollout.episode import code_version, load_function, play, trajectories, warn_no_llm_calls
 from jet.workers.rollout.lanes import LIVE, SHADOW, Lane, leave_group
 from jet.workers.rollout.runtimes import check_runtime, env_children, same_python
 

@@ -17,11 +17,10 @@ import pytest
 from jet.tasks import dataset
 from jet.tasks.lookup import code
 from jet.tasks.units import convert_value
-
 from tests.workers.conftest import enqueue, wait_for, write_config
+from tests.workers.gateway.test_gateway import ScriptedBackend, standalone_gateway
 from tests.workers.test_arith import long_model, n_trajectories, running  # noqa: F401 - fixtures
 from tests.workers.test_e2e import runs
-from tests.workers.gateway.test_gateway import ScriptedBackend, standalone_gateway
 
 
 class ToolAgentBackend(ScriptedBackend):

@@ -20,10 +20,9 @@ import pytest
 from jet.tasks import dataset
 from jet.timeline import merge_calls
 from jet.workers.gateway.app import episode_gateway
-
 from tests.workers.conftest import MODEL, enqueue, trajectories, wait_for, write_config
-from tests.workers.test_arith import running
 from tests.workers.gateway.test_gateway import ScriptedBackend, inference_and_client, standalone_gateway
+from tests.workers.test_arith import running
 
 CALC = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": CALC}}]

@@ -36,12 +36,11 @@ from jet.llm import LLMClient, Tokenizers, open_client
 from jet.queues.connect import connect
 from jet.timeline import merge_calls
 from jet.workers.gateway import app as gateway
-from jet.workers.inference import worker as infer
 from jet.workers.gateway.app import episode_gateway, make_app, serving
-from jet.workers.gateway.sessions import LocalSessions
 from jet.workers.gateway.auth import Claims, InvalidKey, Signer, load_secret
+from jet.workers.gateway.sessions import LocalSessions
+from jet.workers.inference import worker as infer
 from jet.workers.inference.backend import GenOutput
-
 from tests.workers.conftest import MODEL, wait_for, write_config
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -29,10 +29,9 @@ import pytest
 from jet.keys import Keys
 from jet.llm import LLMClient, Tokenizers
 from jet.queues.connect import connect
-from jet.workers.inference import worker as infer
 from jet.workers.gateway.auth import Signer, load_secret
 from jet.workers.gateway.sessions import Episodes
-
+from jet.workers.inference import worker as infer
 from tests.workers.conftest import MODEL, ROOT, wait_for, write_config
 from tests.workers.gateway.test_gateway import ScriptedBackend
 

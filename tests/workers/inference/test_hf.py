@@ -9,10 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from jet.errors import WeightsError
 from jet.models import init_model
-from jet.workers.inference.hf import HFBackend
-
 from jet.workers.inference.backend import GenOutput, SamplingParams, _sample
-
+from jet.workers.inference.hf import HFBackend
 from tests.weights import perturbed_weights
 
 CONTEXT = 64

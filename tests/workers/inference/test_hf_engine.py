@@ -7,10 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jet.models import init_model
-from jet.workers.inference.hf import HFBackend
-
 from jet.workers.inference.backend import SamplingParams
-
+from jet.workers.inference.hf import HFBackend
 from tests.weights import perturbed_weights
 
 CONTEXT = 128

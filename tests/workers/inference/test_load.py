@@ -21,7 +21,6 @@ from jet.queues.connect import connect
 from jet.wire import GenRequest, GenResult
 from jet.workers.inference import worker as infer
 from jet.workers.inference.hf import HFBackend
-
 from tests.workers.conftest import MODEL, wait_for, write_config
 
 pytestmark = pytest.mark.anyio

@@ -14,7 +14,6 @@ from jet.llm import Tokenizers, open_client
 from jet.queues.connect import connect
 from jet.workers.inference import worker as infer
 from jet.workers.inference.hf import HFBackend
-
 from tests.workers.conftest import MODEL, enqueue, wait_for, write_config
 
 

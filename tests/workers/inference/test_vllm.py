@@ -16,7 +16,6 @@ pytest.importorskip("vllm")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from jet.workers.inference.backend import SamplingParams  # noqa: E402
-
 from tests.weights import perturbed_weights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -19,7 +19,6 @@ from jet.llm import Tokenizers, open_client  # noqa: E402
 from jet.models import init_model  # noqa: E402
 from jet.queues.connect import connect  # noqa: E402
 from jet.wire import WeightVersion  # noqa: E402
-
 from tests.weights import perturbed_weights  # noqa: E402
 from tests.workers.conftest import HOST, MODEL, wait_for, write_config  # noqa: E402
 from tests.workers.inference.test_vllm import ATOL, hf_model, recomputed  # noqa: E402

@@ -13,7 +13,6 @@ from jet.llm import Tokenizers, open_client
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import WeightVersion, file_sha256
-
 from tests.weights import perturbed_weights
 from tests.workers.conftest import MODEL, wait_for, write_config
 

@@ -13,11 +13,10 @@ import pytest
 
 from jet.queues import registry
 from jet.queues.connect import connect
-from jet.trainer.weights import published_versions, prune_weights
+from jet.trainer.weights import prune_weights, published_versions
+from jet.wire import WeightVersion
 from jet.workers.inference.hf import HFBackend
 from jet.workers.inference.weights import WeightFollower
-from jet.wire import WeightVersion
-
 from tests.weights import perturbed_weights
 from tests.workers.conftest import HOST, MODEL, wait_for, write_config
 

@@ -17,7 +17,6 @@ from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import GenRequest, GenResult, WeightVersion
 from jet.workers.inference import worker as infer
-
 from tests.weights import perturbed_weights
 from tests.workers.conftest import MODEL, wait_for, write_config
 from tests.workers.test_e2e import assert_logprobs_match_a_forward_pass, load_model

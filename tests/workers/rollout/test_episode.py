@@ -135,9 +135,9 @@ async def test_an_episode_without_llm_calls_is_flagged_counted_and_warned_about_
 
     from rich.console import Console
 
+    from jet.cli.status import render
     from jet.queues import admin
     from jet.queues.connect import connect
-    from jet.cli.status import render
     from jet.workers.rollout.episode import warn_no_llm_calls
 
     class Silent:  # a session the workflow never uses: it "talked to some other endpoint"

@@ -10,7 +10,6 @@ import pytest
 from jet.queues import admin
 from jet.queues.connect import connect
 from jet.workers.rollout import worker as env
-
 from tests.workers.conftest import enqueue, trajectories, wait_for, write_config
 
 

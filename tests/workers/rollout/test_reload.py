@@ -19,7 +19,6 @@ import pytest
 from jet.queues import codec
 from jet.queues.connect import connect
 from jet.wire import Trajectory
-
 from tests.workers.conftest import HOST, MODEL, enqueue, wait_for, write_config
 from tests.workers.test_faults import children
 

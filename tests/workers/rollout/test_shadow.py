@@ -19,7 +19,6 @@ from jet.keys import GROUP_ENV_SHADOW
 from jet.queues import admin, codec
 from jet.queues.connect import connect
 from jet.wire import Trajectory
-
 from tests.workers.conftest import HOST, MODEL, enqueue, trajectories, wait_for, write_config
 
 
