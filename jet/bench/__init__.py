@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +27,22 @@ def server_url(redis_url: str | None, folder: Path) -> Iterator[str]:
         yield server.url
 
 
+_report_out = None  # the real stdout, once `json_stdout` has moved sys.stdout to stderr
+
+
+def json_stdout(as_json: bool) -> None:
+    """With --json, keep stdout for the report alone: whatever else prints to sys.stdout from now on (a
+    library's banner: DeepSpeed's accelerator detection, imported by transformers when accelerate is
+    installed, logs to stdout) goes to stderr; `emit` writes the report to the real stdout."""
+    global _report_out
+    if as_json and _report_out is None:
+        _report_out, sys.stdout = sys.stdout, sys.stderr
+
+
 def progress(quiet: bool) -> Callable[[str], None]:
-    """A `say(line)` that prints to stderr with the seconds since now, or nothing when `quiet` (--json)."""
+    """A `say(line)` that prints to stderr with the seconds since now, or nothing when `quiet` (--json,
+    which also keeps stdout for the report: `json_stdout`)."""
+    json_stdout(quiet)
     t0 = time.monotonic()
     return (lambda s: None) if quiet else (lambda s: click.echo(f"[{time.monotonic() - t0:5.1f}s] {s}", err=True))
 
@@ -37,7 +52,7 @@ def emit(report: dict, as_json: bool, table: Callable[[dict], Any], min_width: i
     if as_json:
         import orjson
 
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode(), file=_report_out or sys.stdout)
         return
     from rich.console import Console
 

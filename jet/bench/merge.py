@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import click
 
+from jet.bench import emit, json_stdout
 from jet.timeline import Call, Episode, merge_episodes
 
 MODES = ("none", "exact", "tree")
@@ -312,14 +313,14 @@ def print_report(report: dict[str, Any]) -> None:
               help="torch CPU threads; 1 keeps timings steady on a machine shared with other work.")
 def cli(as_json: bool, quick: bool, seed: int, no_time: bool, threads: int) -> None:
     """Tokens and train time: none vs exact vs tree merging of agent episodes."""
-    import orjson
     from rich.console import Console
 
     scale = QUICK if quick else FULL
     err = Console(stderr=True)
     if as_json:
+        json_stdout(True)
         report = run(scale, seed, not no_time, threads)
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+        emit(report, True, print_report)
         return
     with err.status("timing") as status:
         report = run(scale, seed, not no_time, threads, progress=lambda msg: status.update(f"timing {msg}"))
