@@ -35,8 +35,18 @@ def json_stdout(as_json: bool) -> None:
     library's banner: DeepSpeed's accelerator detection, imported by transformers when accelerate is
     installed, logs to stdout) goes to stderr; `emit` writes the report to the real stdout."""
     global _report_out
-    if as_json and _report_out is None:
-        _report_out, sys.stdout = sys.stdout, sys.stderr
+    if not as_json or _report_out is not None:
+        return
+    _report_out, sys.stdout = sys.stdout, sys.stderr
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:  # the command's end puts stdout back (in-process callers: tests, CliRunner)
+        ctx.call_on_close(_restore_stdout)
+
+
+def _restore_stdout() -> None:
+    global _report_out
+    if _report_out is not None:
+        sys.stdout, _report_out = _report_out, None
 
 
 def progress(quiet: bool) -> Callable[[str], None]:

@@ -36,9 +36,8 @@ from pathlib import Path
 
 import anyio
 import click
-import orjson
 
-from jet.bench import progress, redis_url_option, server_url
+from jet.bench import emit, progress, redis_url_option, server_url
 from jet.cli.options import run_jet
 from jet.errors import QueueError
 from jet.keys import Keys
@@ -333,9 +332,8 @@ def cli(redis_url, as_json, quick, n_small, n_large, consumers, batch_small, bat
     if as_json:
         goals = {label: {"goal": g, "met": all(x.met for x in rows if x.payload == label and x.mode == "hop")}
                  for label, g in GOALS.items()}
-        click.echo(orjson.dumps({"server": {"version": version, "embedded": embedded},
-                                 "cpus": os.cpu_count(), "batch": batch, "rows": [asdict(x) for x in rows],
-                                 "goals": goals}).decode())
+        emit({"server": {"version": version, "embedded": embedded}, "cpus": os.cpu_count(), "batch": batch,
+              "rows": [asdict(x) for x in rows], "goals": goals}, True, lambda report: None)
         return
     from rich.console import Console
 
