@@ -342,7 +342,7 @@ def ratios(sides: dict) -> dict:
               help="Completions per prompt (TRL's num_generations).")
 @click.option("--batch-groups", type=click.IntRange(1), default=4, show_default=True, help="Groups per optimiser step.")
 @click.option("--lr", type=float, default=2e-5, show_default=True, help="AdamW learning rate (constant).")
-@click.option("--max-staleness", type=click.IntRange(0), default=2, show_default=True,
+@click.option("--max-staleness", type=click.IntRange(0), default=1, show_default=True,
               help="Jet's trainer.max_staleness (TRL is on-policy).")
 @click.option("--jet-threads", type=click.IntRange(1), default=None,
               help="OMP_NUM_THREADS of each of jet up's two torch processes (default: half the cores each; TRL's one "
