@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections import Counter
@@ -24,20 +23,19 @@ import anyio
 from jet.config import default_config_path, load_file
 from jet.keys import Keys
 from jet.queues.connect import connect
+from jet.runs import RunDir, read_metrics
 from jet.trainer.checkpoint import Checkpoints
-from jet.trainer.metrics import FILE
 
 
 def trainer_dirs(cfg) -> dict[str, Path]:
-    return {m.name: Path(cfg.run_dir) / "trainer" / m.name for m in cfg.models if m.trainable}
+    return {m.name: RunDir.of(cfg).trainer(m.name) for m in cfg.models if m.trainable}
 
 
 def step(cfg, since: float = 0.0) -> int:
     """The newest step trained at or after `since` (epoch seconds): 0 if none."""
     newest = 0
-    for folder in trainer_dirs(cfg).values():
-        lines = (folder / FILE).read_text().splitlines() if (folder / FILE).is_file() else []
-        steps = [m["step"] for line in lines if line.strip() and (m := json.loads(line))["time"] >= since]
+    for model in trainer_dirs(cfg):
+        steps = [m["step"] for m in read_metrics(RunDir.of(cfg).metrics(model)) if m.get("time", 0) >= since]
         newest = max([newest, *steps])
     return newest
 
