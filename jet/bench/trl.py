@@ -41,6 +41,7 @@ from pathlib import Path
 import click
 
 from jet.bench import emit, progress
+from jet.cli.feed import FINAL
 from jet.convert import SMOLLM2_WHEEL
 from jet.runs import RunDir, read_metrics
 from jet.wire import WEIGHTS_FILE
@@ -181,7 +182,11 @@ def run_jet(model: str, p: dict, out: Path, say) -> dict:
                                    f"{tail(folder / 'up.log')}")
     steps = [{"step": int(r["step"]), "t": r["time"] - t0, "reward": r["rollout/reward_mean"],
               "trajectories": int(r["rollout/trajectories"]), "tokens": float(r["train/tokens"])} for r in rows]
-    return side_report(steps, p["budget_s"], peak, code, weights=str(versions[-1]))
+    last = read_metrics(run.metrics(MODEL))[-1]  # the trainer's outcome counts, cumulative (0s left out)
+    outcomes = {k.split("/", 1)[1]: int(v) for k, v in last.items() if k.count("/") == 1 and k.startswith("counts/")}
+    decided = sum(v for k, v in outcomes.items() if k in FINAL)
+    return {**side_report(steps, p["budget_s"], peak, code, weights=str(versions[-1])), "outcomes": outcomes,
+            "stale_fraction": outcomes.get("stale", 0) / decided if decided else None}
 
 
 def run_trl(model: str, p: dict, out: Path, trl_python: str, say) -> dict:
@@ -317,6 +322,11 @@ def table(report: dict):
              f"(95% CI {e['ci95'][0]:.3f}-{e['ci95'][1]:.3f})" for name, e in report["evals"].items()]
     lines += [f"paired sign test {k}: discordant {v}" for k, v in report["paired"].items()]
     lines += [f"unmatched {k}: jet {j}; trl {r}" for k, (j, r) in report["unmatched"].items()]
+    jet = report["sides"].get("jet", {})
+    if jet.get("outcomes"):
+        share = jet["stale_fraction"]
+        lines.append(f"jet trajectories decided: {jet['outcomes']} (stale: "
+                     f"{'-' if share is None else f'{share:.1%}'})")
     lines += [f"threads: {report['params']['threads']}", *report.get("skipped", [])]
     return Group(t, "\n".join(lines))
 
