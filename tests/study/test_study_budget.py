@@ -14,8 +14,8 @@ from tests.study.test_study_faults import run_processes
 pytestmark = pytest.mark.slow
 
 
-def grid_study(tmp_path, tiny_model, name: str, budget: dict) -> tuple:
-    base_config(tmp_path, tiny_model, steps=3)
+def grid_study(tmp_path, tiny_model, name: str, budget: dict, steps: int = 3) -> tuple:
+    base_config(tmp_path, tiny_model, steps=steps)
     path = write_study(tmp_path, {
         "name": name, "space": {"trainer.lr": {"choices": [2e-3, 1e-3]}}, "seeds": [0, 1],
         "metric": {"name": "train/lr", "window": 1},
@@ -27,8 +27,9 @@ def grid_study(tmp_path, tiny_model, name: str, budget: dict) -> tuple:
 
 def test_max_runs_and_the_run_timeout_stop_the_study_with_the_reason(tmp_path, redis_url, tiny_model, study_procs):
     name = f"budget-{uuid.uuid4().hex[:6]}"
-    # Two runs allowed, each stopped 12 s after it started (before its first step on this machine).
-    path, folder = grid_study(tmp_path, tiny_model, name, {"max_runs": 2, "run_timeout_s": 12})
+    # Two runs allowed, each stopped 12 s after it started: 400 steps cannot be done by then on any
+    # machine (3 steps can: a fast trainer finished one within 12 s).
+    path, folder = grid_study(tmp_path, tiny_model, name, {"max_runs": 2, "run_timeout_s": 12}, steps=400)
     p = study_procs.start("run", "run", str(path), "--workers", "2", "--redis-url", redis_url)
     assert p.wait(300) == 0
     st = study_state(redis_url, name)

@@ -63,6 +63,10 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = socket.gethostname()
 
 
+ROLE_MODULES = {"env": "jet.workers.rollout.worker", "infer": "jet.workers.inference.worker",
+                "gateway": "jet.workers.gateway.app"}
+
+
 class Procs:
     """Worker processes of one test, each logging to a file shown when the test fails."""
 
@@ -72,7 +76,7 @@ class Procs:
     def start(self, role: str, *args: str) -> subprocess.Popen:
         env = {**os.environ, "JET_REDIS_URL": self.url, "OMP_NUM_THREADS": "1", "JET_LOG_LEVEL": "INFO"}
         log = open(self.logs / f"{role}-{len(self.all)}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", f"jet.workers.{role}", "--config", str(self.cfg_path), *args],
+        p = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], "--config", str(self.cfg_path), *args],
                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.all.append(p)
         return p
