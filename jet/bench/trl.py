@@ -174,7 +174,8 @@ def run_jet(model: str, p: dict, out: Path, say) -> dict:
     t0 = time.time()
     code, peak = supervise(argv, env, folder / "up.log", p["budget_s"], t0, stop_at_budget=True)
     run = RunDir(folder / "runs", RUN)
-    rows = [r for r in read_metrics(run.metrics(MODEL)) if "rollout/reward_mean" in r]
+    lines = read_metrics(run.metrics(MODEL))
+    rows = [r for r in lines if "rollout/reward_mean" in r]
     versions = [run.weight_version(MODEL, v) for v in run.versions(MODEL)
                 if (run.weight_version(MODEL, v) / WEIGHTS_FILE).is_file()]
     if not rows or not versions:
@@ -182,7 +183,7 @@ def run_jet(model: str, p: dict, out: Path, say) -> dict:
                                    f"{tail(folder / 'up.log')}")
     steps = [{"step": int(r["step"]), "t": r["time"] - t0, "reward": r["rollout/reward_mean"],
               "trajectories": int(r["rollout/trajectories"]), "tokens": float(r["train/tokens"])} for r in rows]
-    last = read_metrics(run.metrics(MODEL))[-1]  # the trainer's outcome counts, cumulative (0s left out)
+    last = lines[-1]  # the trainer's outcome counts, cumulative (0s left out)
     outcomes = {k.split("/", 1)[1]: int(v) for k, v in last.items() if k.count("/") == 1 and k.startswith("counts/")}
     decided = sum(v for k, v in outcomes.items() if k in FINAL)
     return {**side_report(steps, p["budget_s"], peak, code, weights=str(versions[-1])), "outcomes": outcomes,

@@ -200,7 +200,7 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     with open(files.log, "ab") as err:  # the keeper's own lines go there too
         proc = subprocess.Popen(keeper_argv(req, files, url), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env=run_env(req))
-    stop, timed_out, drain, told, sent, metrics = None, False, False, False, {}, MetricsFile(mpath, keep_rows=False)
+    stop, timed_out, drain, told, sent, metrics = None, False, False, False, {}, MetricsFile(mpath)
     try:
         while proc.poll() is None:
             await _stream(r, url, keys, req, metrics, sent)
@@ -218,7 +218,7 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
         if proc.poll() is None:  # cancelled (the drain deadline): the keeper drains jet up by itself
             proc.send_signal(signal.SIGTERM)
     await _stream(r, url, keys, req, metrics, sent)
-    rows = read_metrics(mpath)
+    rows = metrics.rows  # the file as it ends, read as it grew
     finished = proc.returncode == 0 and bool(rows) and int(rows[-1]["step"]) >= req.steps
     if (drain and not finished) or proc.returncode == EXIT_NO_LEASE:  # a run that finished meanwhile counts
         return Retry("the study worker is draining or the study is paused: the run resumes from its checkpoint "

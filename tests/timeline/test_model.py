@@ -99,8 +99,9 @@ def episodes(s: Sampler) -> list[Episode]:
     return [Episode(tuple(loop), "loop", 1.0), Episode(tuple(critic), "critic", -0.5), *group]
 
 
-def context_keys(row: Row) -> list[tuple]:
-    ids, parents = row.input_ids[0].tolist(), row.parent_index[0].tolist()
+def context_keys(row: Row, b: int = 0) -> list[tuple]:
+    """(context token ids, token id) of every token of batch row `b`."""
+    ids, parents = row.input_ids[b].tolist(), row.parent_index[b].tolist()
     keys = []
     for j in range(len(ids)):
         path, p = [], parents[j]
@@ -112,7 +113,8 @@ def context_keys(row: Row) -> list[tuple]:
 
 
 def run(model: torch.nn.Module, rows: list[Row], n_trained: int) -> tuple[dict, float, dict]:
-    """Per-context logprobs, the loss and the gradients, from one forward/backward over rows."""
+    """Per-context logprobs, the loss and the gradients, from one forward/backward over rows of any layout
+    ([B, L] padded batches as well as packed rows)."""
     model.zero_grad()
     logprobs: dict[tuple, list[float]] = defaultdict(list)
     total = 0.0
@@ -122,11 +124,12 @@ def run(model: torch.nn.Module, rows: list[Row], n_trained: int) -> tuple[dict, 
                         clip_eps=0.2).loss
         loss.backward()
         total += loss.item()
-        values, behaviour = lp.detach()[0].tolist(), row.behaviour_logprobs[0].tolist()
-        for j, key in enumerate(context_keys(row)):
-            if row.loss_mask[0, j] > 0:
-                logprobs[key].append(values[j])
-                assert values[j] == pytest.approx(behaviour[j], abs=1e-5)
+        for b in range(row.input_ids.shape[0]):
+            values, behaviour = lp.detach()[b].tolist(), row.behaviour_logprobs[b].tolist()
+            for j, key in enumerate(context_keys(row, b)):
+                if row.loss_mask[b, j] > 0:
+                    logprobs[key].append(values[j])
+                    assert values[j] == pytest.approx(behaviour[j], abs=1e-5)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {k: sorted(v) for k, v in logprobs.items()}, total, grads
 
@@ -159,23 +162,6 @@ def test_exact_and_tree_train_like_none(attn):
             torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-4, msg=f"{mode}: {name}")
 
 
-def run_rows(model: torch.nn.Module, rows: list[Row], n_trained: int) -> tuple[list[float], float, dict]:
-    """Sorted logprobs of the trained tokens, the loss and the gradients, from one pass over rows of any
-    layout ([B, L] padded batches as well as packed rows)."""
-    model.zero_grad()
-    values, total = [], 0.0
-    for row in rows:
-        lp = row_logprobs(model, row)
-        loss = ppo_loss(lp, row.behaviour_logprobs, row.rewards, row.loss_mask / n_trained, row.loss_mask,
-                        clip_eps=0.2).loss
-        loss.backward()
-        total += loss.item()
-        trained = row.loss_mask > 0
-        values += lp.detach()[trained].tolist()
-        assert torch.allclose(lp.detach()[trained], row.behaviour_logprobs[trained], atol=1e-5)
-    return sorted(values), total, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("mode", ["none", "exact"])
 def test_padded_batches_of_linear_samples_train_like_packed_rows(mode):
     """The trainer's layout (`batch_linear`: linear samples right-padded into [B, L] batches, causal
@@ -190,9 +176,11 @@ def test_padded_batches_of_linear_samples_train_like_packed_rows(mode):
     assert all(r.causal for r in batched) and any(r.input_ids.shape[0] > 1 for r in batched)
     assert all(r.n_tokens <= BUDGET for r in batched)
     assert sum(r.n_samples for r in batched) == sum(r.n_samples for r in packed) == len(samples)
-    lp_a, loss_a, grads_a = run_rows(model, packed, n_trained)
-    lp_b, loss_b, grads_b = run_rows(model, batched, n_trained)
-    assert len(lp_b) == n_trained and lp_b == pytest.approx(lp_a, abs=1e-5)
+    lp_a, loss_a, grads_a = run(model, packed, n_trained)
+    lp_b, loss_b, grads_b = run(model, batched, n_trained)
+    assert sum(map(len, lp_b.values())) == n_trained and lp_b.keys() == lp_a.keys()
+    for key, values in lp_b.items():
+        assert values == pytest.approx(lp_a[key], abs=1e-5)
     assert loss_b == pytest.approx(loss_a, abs=1e-6)
     for name, g in grads_b.items():
         torch.testing.assert_close(g, grads_a[name], atol=1e-6, rtol=1e-4, msg=name)
