@@ -40,6 +40,9 @@ T0=$(date +%s)
 say() { echo "compose-test [$(( $(date +%s) - T0 ))s]: $*" >&2; }
 skip() { say "SKIPPED: $*"; exit 0; }
 die() { say "FAILED: $*"; exit 1; }
+# A command that fails under `set -e` says where (a bare exit code, such as the docker CLI's 255 for a
+# plugin killed by a signal, names nothing).
+trap 'say "FAILED: line $LINENO exited $? (set -e)"' ERR
 
 [ "$(id -u)" -eq 0 ] || skip "not root (dockerd needs root here)"
 grep -qw overlay /proc/filesystems || modprobe overlay 2>/dev/null || skip "no overlay filesystem in this kernel"
@@ -77,7 +80,7 @@ CREATED_BRIDGE=0
 dc() { "$DOCKER" compose -p "$PROJECT" "${FILES[@]}" -f "$WORK/ci.yml" "$@"; }
 cleanup() {
   local rc=$?
-  set +e
+  set +e; trap - ERR
   if [ -f "$RUN/docker.pid" ] && kill -0 "$(cat "$RUN/docker.pid")" 2>/dev/null; then
     if [ "$rc" -ne 0 ] && [ -f "$WORK/ci.yml" ]; then
       dc ps -a; dc logs --no-color --tail 40 2>&1 | tail -200
@@ -128,7 +131,7 @@ done
 # 2. The base image (Debian bookworm, python 3.11) and the project's.
 if ! "$DOCKER" image inspect jet-base:bookworm >/dev/null 2>&1; then
   if [ ! -s "$CACHE/bookworm-rootfs.tar.gz" ]; then
-    MIRROR=$(sed -n 's/^URIs: *\([^ ]*debian\)\/\?$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -1)
+    MIRROR=$(sed -n 's/^URIs: *\([^ ]*debian\)\/\?$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 1p)
     [ -n "$MIRROR" ] || MIRROR=$(awk '$1 == "deb" && $3 ~ /^bookworm$/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null)
     MIRROR="${MIRROR:-http://deb.debian.org/debian}"
     say "debootstrap bookworm from $MIRROR"
@@ -185,7 +188,9 @@ wait_step() {  # wait_step N [SINCE]: until the trainer's newest step (trained s
 EVERY=$(dc exec -T trainer python -P -c 'from jet.config import load_file, default_config_path as d; print(load_file(d()).trainer.checkpoint_every)')
 S=$(wait_step $(( EVERY + 2 )))
 say "trainer at step $S (checkpoint every $EVERY): killing the trainer and one env worker"
-ENV1=$(dc ps -q env | head -1)
+# Not `dc ps -q env | head -1`: head closing the pipe early can kill the compose plugin with SIGPIPE,
+# which the docker CLI reports as exit 255 (pipefail then ends the test).
+ENVS=($(dc ps -q env)); ENV1=${ENVS[0]}
 TR=$(dc ps -q trainer)
 declare -A BEFORE
 KILLED_AT=$(date +%s)
