@@ -7,8 +7,13 @@
   every test under tests/queues/ and every test marked `cluster`; started only
   when such a test runs. These runs carry the `cluster` mark; JET_TEST_CLUSTER=0
   leaves them out of collection;
-- "external": the server at JET_TEST_REDIS_URL, when that is set; these runs
-  carry the `external` mark.
+- "external": the server at JET_TEST_REDIS_URL, when that is set, for the tests
+  whose subject is the server's behaviour or that cost little: every fast-tier
+  test (in process), every test under tests/queues/ (the queue contract) and
+  every test marked `every_server`. A slow test elsewhere (it starts processes:
+  `jet up`, a study, a killed trainer) checks Jet's roles, not the server, and
+  runs on the embedded Valkey alone: on both it cost CI ten minutes for nothing
+  the queue contract does not check. These runs carry the `external` mark.
 Each test gets its own run namespace (`Keys`), so tests never see each other's
 keys; on the cluster, runs hash to different primaries, so a session's tests
 spread over all three.
@@ -49,7 +54,9 @@ def servers_for(definition) -> list[str]:
     on_cluster = definition.get_closest_marker("cluster") or QUEUE_TESTS in Path(definition.path).parents
     if on_cluster and os.environ.get("JET_TEST_CLUSTER", "1") != "0":
         servers.append("cluster")
-    if os.environ.get("JET_TEST_REDIS_URL"):
+    in_process = not definition.get_closest_marker("slow")
+    on_every_server = definition.get_closest_marker("every_server") or QUEUE_TESTS in Path(definition.path).parents
+    if os.environ.get("JET_TEST_REDIS_URL") and (in_process or on_every_server):
         servers.append("external")
     return servers
 

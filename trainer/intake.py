@@ -25,6 +25,13 @@ after which the loop acks it. Until then the entries stay pending in Redis
 under the trainer's lease. So every entry read ends either in the ledger or
 in `dead`, never both.
 
+Outcome counts reach the feeder's admission (`Link.report`) after every step
+and also while `gather` waits, whenever its decisions changed them (at most
+once a second): entries decided without a step (a resumed trainer's stale
+backlog, a group timed out below min_size) must leave the admission window
+at once, or the feeder holds new episodes back while the trainer waits for
+them, and neither moves again.
+
 What it is not: a trainer. No torch; the loop decides what to do with groups.
 """
 
@@ -50,6 +57,7 @@ class Intake:
         self.weights = dict(weights or {})  # task -> mixing weight (jet.trainer.mix); a missing task weighs 1
         self.mix_wait_s = mix_wait_s
         self.last_seen: dict[str, float] = {t: clock() for t in expected}  # task -> when its last trajectory came
+        self.reported: tuple[dict[str, int], float] = ({}, float("-inf"))  # the counts last reported, and when
 
     def gather(self, n: int, version: int, step: int, stop: Callable[[], bool]) -> list[Group] | None:
         """`n` trainable groups in the configured task mix; None when `stop()` turned true first."""
@@ -67,7 +75,16 @@ class Intake:
             for task, k in plan.items():
                 groups += self.asm.take(k, version, now, task=task)
             self._record(self.asm.pop_decided(), step)
+            if len(groups) < n and now - self.reported[1] >= 1.0:
+                self.report()
         return groups
+
+    def report(self) -> None:
+        """Hand the assembler's outcome counts to the feeder's admission (`Link.report`) if they changed."""
+        counts = dict(self.asm.counts)
+        if counts != self.reported[0] and not self.link.report(counts):
+            counts = self.reported[0]  # not written: the next call tries again
+        self.reported = counts, self.clock()
 
     def take(self, entry_id: str, traj: Trajectory, version: int) -> None:
         """Screen one trajectory read from the link and file it with the assembler (or dead-letter it)."""

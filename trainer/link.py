@@ -140,10 +140,10 @@ class Link:
     def latest_weights(self) -> WeightVersion | None:
         return self.portal.call(self._latest_weights)
 
-    def report(self, counts: dict[str, int]) -> None:
+    def report(self, counts: dict[str, int]) -> bool:
         """Write the trainer's outcome counts where the feeder's admission reads them (`Keys.rollout`);
-        a Redis error skips this report (the next step writes the counts again)."""
-        self.portal.call(self._report, counts)
+        a Redis error skips this report (False: the caller writes the counts again later)."""
+        return self.portal.call(self._report, counts)
 
     def served_versions(self) -> dict[str, int] | None:
         """{inference worker: weight version it serves} from the registry; None if Redis is unreachable."""
@@ -200,14 +200,16 @@ class Link:
                 log.error("ignoring a malformed weights announcement: %s", e)
         return None
 
-    async def _report(self, counts: dict[str, int]) -> None:
+    async def _report(self, counts: dict[str, int]) -> bool:
         import orjson
 
         try:
             with translated(self.url):
                 await self.rt.client.hset(self.keys.rollout(self.model), "counts", orjson.dumps(counts))
+            return True
         except QueueError as e:
             log.warning("could not report the outcome counts: %s", e)
+            return False
 
     async def _served_versions(self) -> dict[str, int] | None:
         try:

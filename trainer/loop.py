@@ -191,7 +191,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                 metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
                 intake.link.status.update(step=state.step, weight_version=state.version)  # its heartbeat
-                intake.link.report(dict(intake.asm.counts))  # what the feeder's admission subtracts
+                intake.report()  # what the feeder's admission subtracts
 
             # 5. checkpoint, then ack what it made durable
             if plan.checkpoint:

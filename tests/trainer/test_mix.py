@@ -12,13 +12,14 @@ import random
 import threading
 import time
 
+import anyio
 import msgspec
 import pytest
 
 from jet.config import load_file
 from jet.runs import read_metrics as read
 from jet.trainer.mix import allocate
-from tests.trainer.helpers import MODEL
+from tests.trainer.helpers import MODEL, traj
 from tests.trainer.rollouts import produce_sync, synthetic_group, write_config
 
 TOLERANCE = 1.0  # groups a task may be off its share after any step
@@ -145,3 +146,34 @@ def test_the_trainer_waits_for_a_late_task_but_not_for_one_that_stopped(tiny_mod
     assert (rows[-1]["train/a/groups"], rows[-1]["train/b/groups"]) == (15, 1)
     # b's silence costs at most mix_wait_s per step (3 steps after its last group), not the whole run
     assert elapsed < 30, elapsed
+
+
+def test_decisions_made_while_waiting_reach_the_feeders_admission(tiny_model, redis_url, keys, tmp_path):
+    """A resumed trainer's stale backlog is decided in `gather`, without a step: its counts must reach
+    `Keys.rollout` then, or the feeder (holding the window for them) and the trainer (waiting for fresh
+    groups) wait for each other for ever (a compose-test run stalled so after the trainer's SIGKILL)."""
+    import orjson
+
+    from jet.queues.connect import connect
+    from jet.trainer.groups import Assembler
+    from jet.trainer.intake import Intake
+    from jet.trainer.link import Link
+
+    cfg = load_file(write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=1))
+    old = [traj("old", i, size=2, version=0) for i in range(2)]  # version 0, the trainer is at 5
+    produce_sync(redis_url, keys, old)
+
+    async def counts():
+        r = await connect(redis_url)
+        try:
+            return orjson.loads((await r.hget(keys.rollout(MODEL), "counts")) or b"{}")
+        finally:
+            await r.aclose()
+
+    with Link.for_trainer(cfg, MODEL, redis_url) as link:
+        intake = Intake(link, Assembler(min_size=2, timeout_s=60, max_staleness=2))
+        deadline = time.monotonic() + 10
+        stop = lambda: anyio.run(counts).get("stale") == 2 or time.monotonic() > deadline  # noqa: E731
+        assert intake.gather(1, 5, 0, stop) is None
+        assert anyio.run(counts).get("stale") == 2, "the stale members were decided but never reported"
+        assert sorted(c["outcome"] for c in intake.take_consumed()) == ["stale", "stale"]

@@ -83,6 +83,7 @@ def check_exactly_once(cfg, url, keys, produced: list, trainable_msgs: set[str])
 
 
 @pytest.mark.slow
+@pytest.mark.every_server  # the trainer's exactly-once protocol, processes and all, on each server once
 def test_sigkill_then_sigterm_lose_no_trajectory_and_train_none_twice(tiny_model, redis_url, keys, tmp_path):
     rng = random.Random(1)
     config = write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=8,
