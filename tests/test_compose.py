@@ -137,15 +137,20 @@ def app(tmp_path):
     return tmp_path
 
 
-def run_service(name: str, app: Path, url: str) -> subprocess.Popen:
+GATEWAY_PORT = "8000"  # the gateway's port in docker-compose.yml: in a container of its own, free
+
+
+def run_service(name: str, app: Path, url: str, port: str = GATEWAY_PORT) -> subprocess.Popen:
+    """The service's command as a local process; its `--port 8000` becomes `port` (on a shared machine, where
+    8000 may be taken: test workers run in parallel, docker-compose.multinode.yml's gateway uses it too)."""
     svc = compose()["services"][name]
-    argv = [sys.executable, "-m", "jet.cli", *svc["command"][1:]]
+    argv = [sys.executable, "-m", "jet.cli", *[port if a == GATEWAY_PORT else a for a in svc["command"][1:]]]
     env = {k: v for k, v in os.environ.items() if k != "JET_CONFIG"}  # the service's config or the packaged one
     env.update({"JET_REDIS_URL": url, **{k: v for k, v in svc["environment"].items() if k == "JET_CONFIG"}})
     return subprocess.Popen(argv, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-async def roles_serving(url: str, procs: dict[str, subprocess.Popen]) -> set[str]:
+async def roles_serving(url: str, procs: dict[str, subprocess.Popen], port: str) -> set[str]:
     """The roles up in the packaged config's run (`demo`): the feed has topped up tasks:guess, env, infer
     and trainer beat in the worker registry, the gateway answers on its port (401: no key given); fails at
     once, with its output, when a role exits."""
@@ -161,7 +166,7 @@ async def roles_serving(url: str, procs: dict[str, subprocess.Popen]) -> set[str
         await r.aclose()
     async with httpx.AsyncClient() as client:
         with contextlib.suppress(httpx.HTTPError):
-            if (await client.get("http://127.0.0.1:8000/v1/models")).status_code == 401:
+            if (await client.get(f"http://127.0.0.1:{port}/v1/models")).status_code == 401:
                 up.add("gateway")
     return up
 
@@ -173,13 +178,15 @@ def test_every_service_command_runs(app, redis_url):
     assert (app / ".jet" / "models" / "tiny" / "config.json").is_file()
     again = run_service("init", app, redis_url)  # a restart of the stack keeps the model
     assert again.wait(60) == 0 and b"left as it is" in again.stdout.read()
-    procs = {name: run_service(name, app, redis_url) for name in sorted(ROLES)}
+    port = str(free_port())
+    assert compose()["services"]["gateway"]["command"][-2:] == ["--port", GATEWAY_PORT]
+    procs = {name: run_service(name, app, redis_url, port) for name in sorted(ROLES)}
     try:
         # imports, model load, groups, gateway bind: every role is up
         up: set[str] = set()
 
         async def all_up() -> bool:
-            up.update(await roles_serving(redis_url, procs))
+            up.update(await roles_serving(redis_url, procs, port))
             return up == ROLES
 
         try:

@@ -79,8 +79,10 @@ def test_redis_service_arguments_start_a_real_server(tmp_path):
 
 
 def local_argv(name: str, env: dict[str, str]) -> list[str]:
+    """The service's command as a local process: on the CPU, and the gateway on $GATEWAY_PORT instead of
+    8000 (parallel test workers share this machine; docker-compose.yml's gateway uses 8000 too)."""
     argv = [resolve(a, env) for a in compose()["services"][name]["command"]]
-    argv = ["cpu" if a == "cuda" else a for a in argv]
+    argv = ["cpu" if a == "cuda" else env["GATEWAY_PORT"] if a == "8000" else a for a in argv]
     if argv[0] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     return [sys.executable, "-m", "jet.cli", *argv[1:]]
@@ -97,6 +99,7 @@ def test_every_service_command_runs(tmp_path, redis_url):
     (tmp_path / "configs" / "default.yaml").write_text(yaml.safe_dump({**cfg, "run": run}))
     init_model(tmp_path / ".jet" / "models" / "tiny", seed=0)
     env = {"JET_REDIS_URL": redis_url, "ENV_PROCS": "2", "TRAINER_PORT": str(free_port()),
+           "GATEWAY_PORT": str(free_port()),
            "TRAINER_MASTER": "127.0.0.1", "JET_CONFIG": "configs/default.yaml"}
     procs, logs = {}, {}
     for name in sorted(set().union(*PROFILES.values()) - {"redis"}):
