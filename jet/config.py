@@ -139,6 +139,10 @@ class ModelConfig(Section):
     """Inference dtype; float32 gives the logprobs a float32 trainer recomputes (bfloat16 is faster on GPUs)."""
     max_inflight: PositiveInt = 64
     """Generation requests one inference worker decodes at once, each answered as it completes (requests)."""
+    prefix_cache_mb: NonNegativeInt = 1024
+    """Memory for the keys and values of prefixes already computed (MiB): prompts that start with one (a
+    group's shared prompt, an episode's previous turns) prefill only the rest; least recently used first
+    out; 0 = off. hf backend; the vllm backend turns on vLLM's automatic prefix caching instead."""
     threads: PositiveInt | None = None
     """CPU threads of this model's inference worker on device 'cpu' (torch intra-op threads); None: `jet up`
     gives it its share of the cores (jet.cli.up.thread_shares), a worker started alone keeps torch's default."""
@@ -219,6 +223,10 @@ class TrainerConfig(Section):
     """Advantage estimator: 'grpo' (mean/std in group), 'rloo' (leave-one-out), 'no_std' (mean only, Dr. GRPO)."""
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """Loss aggregation: 'token_mean' over all tokens of the batch, 'seq_mean' per sequence then mean."""
+    prefix_trees: bool = True
+    """Merge the samples of a step that share a prefix (a group's prompt, a shared history) into prefix
+    trees, so each shared token is forwarded and backpropagated once (jet.timeline.share); false: every
+    sample on its own (for comparison; the loss and gradients are the same)."""
     grad_clip: NonNegativeFloat = 1.0
     """Max global gradient norm; 0 = no clipping (L2 norm)."""
     warmup_steps: NonNegativeInt = 0
@@ -227,6 +235,10 @@ class TrainerConfig(Section):
     """Learning rate after warmup: 'constant', or decayed to 0 at `steps` ('linear', 'cosine')."""
     weight_decay: NonNegativeFloat = 0.0
     """AdamW decoupled weight decay (fraction of the weight per unit of lr)."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's decay rates of the first and second moment estimates (each in [0, 1))."""
+    adam_eps: PositiveFloat = 1e-8
+    """AdamW's epsilon, added to the second moment's root (dimensionless)."""
     steps: PositiveInt = 100
     """Optimiser steps of the run (steps)."""
     min_group_size: PositiveInt = 2
@@ -273,6 +285,13 @@ class TrainerConfig(Section):
         if len(set(loggers)) != len(loggers):
             raise ValueError(f"duplicate logger in {loggers}")
         return loggers
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
 
 
 class JetConfig(Section):

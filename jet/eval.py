@@ -2,19 +2,24 @@
 
 What it is: the model (a folder, a Hub id, or a published weight version of a run,
 `runs/<run>/weights/<model>/v<N>`) answers the first `n` evaluation rows of a built-in task that
-has an evaluation split (`eval_rows`, `messages` and `score` in its module, as `jet.tasks.add`
-has) greedily, in batches, with an inference worker's backend and sampler, through its own chat
-template (`jet.tokenizer`, as an env worker renders it); each reply is scored by the task's
-reward. It prints the accuracy with a 95% Wilson interval, and with `--json` also each row's 0/1
-result in eval order, so two evaluations of one task can be compared row by row (a paired test,
-as `jet bench trl` does).
+has an evaluation split greedily, in batches, with an inference worker's backend and sampler, through
+its own chat template (`jet.tokenizer`, as an env worker renders it). A single-turn task has
+`eval_rows`, `messages` and `score` in its module (`jet.tasks.add`): each reply is scored by the task's
+reward. A multi-turn task has `eval_rows` and `environment` (`jet.tasks.tally`): every row's dialogue
+is played turn by turn, the live rows of a batch generated together, each reply handed to the row's
+environment, whose next message is appended (the same loop as its agent), until it ends; the row's
+result is the environment's reward. It prints the mean result with a 95% interval (Wilson for 0/1
+results, a normal interval for fractional ones), and with `--json` also each row's result in eval
+order, so two evaluations of one task can be compared row by row (a paired test, as `jet bench trl`
+does).
 
 A published version holds only `model.safetensors` and `config.json`; its tokenizer and
 generation settings come from the model the run trained (`runs/<run>/config.resolved.yaml`), and
 its tensors are loaded as an inference worker loads them (`jet.workers.inference.hf`).
 
-What it is not: an agent run. The prompt is the task's own first message list rendered by the
-tokenizer's template; multi-turn agents are evaluated by running them (`jet up --episodes`).
+What it is not: an agent run through the swarm (no gateway, no Redis): each turn's prompt is the
+dialogue so far re-rendered by the tokenizer's template; agents of arbitrary code are evaluated by
+running them (`jet up --episodes`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ def task_module(name: str) -> Any:
         module = importlib.import_module(f"jet.tasks.{name}")
     except ModuleNotFoundError:
         raise ConfigError(f"--task: no built-in task {name!r}") from None
-    missing = [f for f in ("eval_rows", "messages", "score") if not hasattr(module, f)]
+    needs = ("eval_rows", "environment") if hasattr(module, "environment") else ("eval_rows", "messages", "score")
+    missing = [f for f in needs if not hasattr(module, f)]
     if missing:
         raise ConfigError(f"--task: {name!r} has no evaluation split (jet.tasks.{name} lacks {', '.join(missing)})")
     return module
@@ -92,29 +98,66 @@ def load(spec: str, device: str, dtype: str = "float32") -> tuple[Any, Any, str]
     return backend, load_tokenizer(base), what
 
 
+def interval(results: list[float]) -> tuple[float, float]:
+    """95% interval of the mean result: Wilson's for 0/1 results, else the normal one (clipped to [0, 1])."""
+    n = len(results)
+    if all(r in (0, 1) for r in results):
+        return wilson(int(sum(results)), n)
+    mean = sum(results) / n
+    sd = math.sqrt(sum((r - mean) ** 2 for r in results) / max(1, n - 1))
+    return max(0.0, mean - 1.959964 * sd / math.sqrt(n)), min(1.0, mean + 1.959964 * sd / math.sqrt(n))
+
+
 def evaluate(spec: str, task: str, n: int = 100, *, seed: int = 0, device: str = "cpu", batch: int = 16,
-             max_tokens: int = 24, loaded: tuple[Any, Any, str] | None = None) -> dict:
-    """Greedy accuracy of `spec` on the first `n` evaluation rows of `task` (see the module docstring)."""
+             max_tokens: int | None = None, loaded: tuple[Any, Any, str] | None = None) -> dict:
+    """Greedy results of `spec` on the first `n` evaluation rows of `task` (see the module docstring)."""
     from jet.workers.inference.backend import SamplingParams
 
     module = task_module(task)
     rows = module.eval_rows(n, seed)
     backend, tok, what = loaded or load(spec, device)
+    max_tokens = max_tokens or getattr(module, "MAX_TOKENS", 24)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    results: list[int] = []
+
+    def reply(prompts: list[list[int]]) -> list[str]:
+        outs = backend.generate(prompts, [greedy] * len(prompts))
+        return [tok.decode(o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids) for o in outs]
+
+    def render(messages: list[dict]) -> list[int]:
+        return tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+
+    results: list[float] = []
     t0 = time.monotonic()
     for i in range(0, len(rows), batch):
         chunk = rows[i:i + batch]
-        prompts = [tok.apply_chat_template(module.messages(r), tokenize=True, add_generation_prompt=True)
-                   for r in chunk]
-        for r, out in zip(chunk, backend.generate(prompts, [greedy] * len(prompts))):
-            ids = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
-            results.append(int(module.score(r, tok.decode(ids)) >= 1.0))
+        if hasattr(module, "environment"):
+            results += play(chunk, module.environment, reply, render)
+            continue
+        for r, text in zip(chunk, reply([render(module.messages(r)) for r in chunk])):
+            results.append(int(module.score(r, text) >= 1.0))
     k = sum(results)
-    lo, hi = wilson(k, len(results))
+    lo, hi = interval(results) if results else (0.0, 1.0)
     return {"model": what, "task": task, "n": len(results), "seed": seed, "correct": k,
             "accuracy": k / len(results) if results else 0.0, "ci95": [lo, hi], "results": results,
             "version": backend.version, "max_tokens": max_tokens, "seconds": time.monotonic() - t0}
+
+
+def play(rows: list[dict], environment, reply, render) -> list[float]:
+    """Each row's dialogue with its environment, the live rows' turns generated together; their rewards."""
+    envs = [environment(r) for r in rows]
+    messages = [e.opening() for e in envs]
+    live = list(range(len(rows)))
+    while live:
+        texts = reply([render(messages[j]) for j in live])
+        still = []
+        for j, text in zip(live, texts):
+            messages[j].append({"role": "assistant", "content": text})
+            follow = envs[j].answer(text)
+            if follow is not None:
+                messages[j].append({"role": "user", "content": follow})
+                still.append(j)
+        live = still
+    return [e.reward for e in envs]
 
 
 @click.command("eval")
@@ -125,10 +168,11 @@ def evaluate(spec: str, task: str, n: int = 100, *, seed: int = 0, device: str =
 @click.option("--seed", type=int, default=0, show_default=True, help="Which evaluation rows (their order).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
 @click.option("--batch", type=click.IntRange(1), default=16, show_default=True, help="Prompts generated at once.")
-@click.option("--max-tokens", type=click.IntRange(1), default=24, show_default=True, help="Completion tokens.")
+@click.option("--max-tokens", type=click.IntRange(1), default=None,
+              help="Completion tokens per turn (default: the task's MAX_TOKENS, else 24).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (with each row's 0/1).")
 def cli(spec, task, n, seed, device, batch, max_tokens, as_json) -> None:
-    """Greedy accuracy of a model on a task's held-out problems, with a 95% interval."""
+    """Greedy accuracy (mean reward) of a model on a task's held-out problems, with a 95% interval."""
     import orjson
 
     try:
@@ -139,5 +183,5 @@ def cli(spec, task, n, seed, device, batch, max_tokens, as_json) -> None:
         click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
         return
     lo, hi = report["ci95"]
-    click.echo(f"{report['model']} on {task}: {report['correct']}/{report['n']} = {report['accuracy']:.3f} "
+    click.echo(f"{report['model']} on {task}: {report['correct']:g}/{report['n']} = {report['accuracy']:.3f} "
                f"(95% CI {lo:.3f}-{hi:.3f}), greedy, {report['seconds']:.0f} s")

@@ -12,7 +12,7 @@ from jet.wire import Task
 
 
 def test_datasets_are_deterministic_and_well_formed():
-    assert names() == ["add", "arith", "guess", "lookup", "propose", "spell", "units"]
+    assert names() == ["add", "arith", "guess", "lookup", "propose", "spell", "tally", "units"]
     assert dataset("guess", 20, seed=3) == dataset("guess", 20, seed=3) != dataset("guess", 20, seed=4)
     assert all(r["low"] <= r["secret"] <= r["high"] for r in dataset("guess", 50))
     rows = dataset("arith", 50, seed=1)

@@ -20,7 +20,7 @@ import contextlib
 import copy
 import json
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -65,13 +65,14 @@ class TorchBackend:
         self.optimizer = optim.make_adamw(self.model.parameters(), cfg)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
-    def train_step(self, rows: Sequence[Row | None], inputs: StepInputs, lr: float, pad_row: Row | None = None
-                   ) -> StepStats:
-        """One optimiser step over all of `rows` (one process has no padding; `pad_row` is unused)."""
+    def train_step(self, rows: Sequence[Row | None], inputs: StepInputs, lr: float, pad_row: Row | None = None,
+                   stop: Callable[[], bool] | None = None) -> StepStats:
+        """One optimiser step over all of `rows` (one process has no padding; `pad_row` is unused); a
+        `stop()` during it abandons it (`jet.trainer.step.StepAbandoned`, nothing applied)."""
         self.optimizer.zero_grad(set_to_none=True)
         with autocast(self.device, self.cfg.dtype):
             stats = accumulate(self.model, rows, inputs, self.cfg, lambda loss, _last: loss.backward(),
-                               ref_model=self.ref)
+                               ref_model=self.ref, stop=stop)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         optim.set_lr(self.optimizer, lr)

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from jet.timeline import Sample
+from jet.timeline.share import share_prefixes
 from jet.trainer.advantages import member_advantages
 from jet.wire import Trajectory
 
@@ -53,8 +54,11 @@ class StepInputs:
         return adv, self.weights[idx].masked_fill(~valid, 0.0)
 
 
-def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_agg: str) -> StepInputs:
-    """Inputs of one step from groups of successful trajectories (each group: its members)."""
+def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_agg: str,
+               prefix_trees: bool = False) -> StepInputs:
+    """Inputs of one step from groups of successful trajectories (each group: its members); with
+    `prefix_trees`, the samples that share a prefix merged into trees (`jet.timeline.share`), each
+    entry's advantage and weight following its tokens."""
     if loss_agg not in AGGREGATIONS:
         raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {loss_agg!r}")
     samples: list[Sample] = []
@@ -73,6 +77,11 @@ def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_a
                     seq_of_entry.append((traj.msg_id, episode_id))
     tokens = _entry_tokens(samples)
     weights, n_seq = _weights(seq_of_entry, tokens, loss_agg)
+    if prefix_trees:
+        trees = share_prefixes(samples)
+        samples = [tree for tree, _ in trees]
+        entries = [e for _, of_tree in trees for e in of_tree]
+        adv, weights = [adv[e] for e in entries], [weights[e] for e in entries]
     return StepInputs(samples, torch.tensor(adv, dtype=torch.float32), torch.tensor(weights, dtype=torch.float32),
                       n_tokens=sum(tokens), n_sequences=n_seq, rewards=rewards)
 

@@ -35,7 +35,7 @@ from jet.trainer.groups import Group
 from jet.trainer.intake import Intake
 from jet.trainer.packing import Row, pack
 from jet.trainer.screen import isolate
-from jet.trainer.step import StepStats, micro_batch
+from jet.trainer.step import StepAbandoned, StepStats, micro_batch
 from jet.wire import Trajectory
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ T = TypeVar("T")
 
 def prepare(trajectories: Sequence[Sequence[Trajectory]], tc: TrainerConfig) -> tuple[StepInputs, list[Row]]:
     """A step's inputs (advantages, weights) and packed rows from groups of trajectories."""
-    inputs = build_step(trajectories, advantage=tc.advantage, loss_agg=tc.loss_agg)
+    inputs = build_step(trajectories, advantage=tc.advantage, loss_agg=tc.loss_agg, prefix_trees=tc.prefix_trees)
     return inputs, pack(inputs.samples, tc.micro_batch_tokens, batch_linear=True)
 
 
@@ -55,6 +55,8 @@ def guarded(intake: Intake, groups: list[Group], step: int, attempt: Callable[[l
     while True:
         try:
             return groups, attempt(groups)
+        except StepAbandoned:  # a stop, not a fault: nothing to isolate
+            raise
         except Exception as error:  # noqa: BLE001 - re-raised below unless a trajectory is to blame
             where = {e.msg_id: (g, i) for g in groups for i, e in g.members.items()}
             culprits = isolate([e.traj for g in groups for e in g.members.values()], probe)
@@ -71,14 +73,15 @@ def guarded(intake: Intake, groups: list[Group], step: int, attempt: Callable[[l
 
 
 def guarded_step(engine, intake: Intake, tc: TrainerConfig, groups: list[Group], inputs: StepInputs,
-                 rows: list[Row], lr: float, step: int
+                 rows: list[Row], lr: float, step: int, stop: Callable[[], bool] | None = None
                  ) -> tuple[list[Group], StepInputs, list[Row], StepStats | None]:
-    """One optimiser step of a one-process backend under the guard; stats None when nothing was left to train."""
+    """One optimiser step of a one-process backend under the guard; stats None when nothing was left to train.
+    A `stop()` during the step abandons it (`StepAbandoned` propagates)."""
     first = [(inputs, rows)]
 
     def attempt(gs: list[Group]):
         step_inputs, step_rows = first.pop() if first else prepare([g.trajectories() for g in gs], tc)
-        stats = engine.train_step(step_rows, step_inputs, lr) if step_rows else None
+        stats = engine.train_step(step_rows, step_inputs, lr, stop=stop) if step_rows else None
         return step_inputs, step_rows, stats
 
     def probe(traj: Trajectory) -> None:

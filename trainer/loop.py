@@ -44,6 +44,13 @@ overlong one is truncated or dead-lettered (`trainer.overlong`); a step that
 still fails on some trajectory drops that one and retries (`jet.trainer.screen`,
 `jet.trainer.guard`).
 
+A stop (SIGTERM) during a step abandons it before its next micro-batch (one-process
+backends; `jet.trainer.step`): nothing of it is applied or acked, the trajectories it
+held stay pending and a restart trains them, and the stop checkpoints what earlier
+steps decided, so `jet up`'s drain never has to kill a trainer in a long step. The
+heartbeat carries the longest micro-batch so far (`micro_batch_s`), from which
+`jet up` sizes its drain deadline.
+
 `max_staleness: 0` is the synchronous baseline: after publishing version v
 the trainer accepts only trajectories generated entirely at v, waiting for
 them (a barrier) and dropping older ones (counted as `stale`).
@@ -74,6 +81,7 @@ from jet.trainer.link import Link
 from jet.trainer.metrics import Metrics
 from jet.trainer.optim import lr_at
 from jet.trainer.screen import Limits
+from jet.trainer.step import StepAbandoned
 from jet.trainer.weights import prune_weights, weights_dir, write_weights
 from jet.wire import WeightVersion
 
@@ -97,6 +105,7 @@ class Clock:
     wait: float = 0.0  # waiting for trainable groups
     steps: int = 0
     tokens: float = 0.0  # tokens forwarded
+    micro_batch_s: float = 0.0  # the longest micro-batch so far: how long a stop may wait (jet up's drain)
 
 
 def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *,
@@ -169,8 +178,15 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             t0 = time.monotonic()
             rows, inputs = comm.share(rows, inputs)
             if getattr(engine, "retryable", False):
-                groups, inputs, rows, stats = guarded_step(engine, intake, tc, groups, inputs, rows, plan.lr,
-                                                           state.step)
+                try:
+                    groups, inputs, rows, stats = guarded_step(engine, intake, tc, groups, inputs, rows, plan.lr,
+                                                               state.step, stop)
+                except StepAbandoned as e:  # a stop during a long step: its trajectories stay unacked
+                    log.info("stop during step %d (%s): abandoned; its %d groups are trained after a restart",
+                             state.step + 1, e, len(groups))
+                    if state.step > last_checkpoint or intake.consumed:
+                        checkpoint(ckpts, engine, comm, intake, state)
+                    break
                 if stats is None:  # every member was dead-lettered: no step
                     continue
             else:
@@ -190,7 +206,9 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                 staleness = intake.trained(groups, state.step, state.lineage.ordinal(trained_at))
                 metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
-                intake.link.status.update(step=state.step, weight_version=state.version)  # its heartbeat
+                clock.micro_batch_s = max(clock.micro_batch_s, stats.micro_batch_s)
+                intake.link.status.update(step=state.step, weight_version=state.version,  # its heartbeat
+                                          micro_batch_s=round(clock.micro_batch_s, 3))
                 intake.report()  # what the feeder's admission subtracts
 
             # 5. checkpoint, then ack what it made durable
@@ -287,6 +305,7 @@ def step_metrics(stats, inputs, staleness: list[int], groups, lr: float, state: 
         "train/loss": stats.loss, "train/pg_loss": stats.pg, "train/kl": stats.kl,
         "train/clip_frac": stats.clipped / max(1.0, stats.tokens), "train/grad_norm": stats.grad_norm,
         "train/lr": lr, "train/ratio_max": stats.ratio_max, "train/tokens": stats.tokens,
+        "train/forward_tokens": stats.forward_tokens,
         "train/micro_batches": stats.rows,
         "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),
         "rollout/groups": len(groups), "rollout/trajectories": len(inputs.rewards),

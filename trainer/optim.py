@@ -20,11 +20,10 @@ import torch
 
 from jet.config import TrainerConfig
 
-BETAS = (0.9, 0.999)
-
 
 def make_adamw(params: Iterable[torch.nn.Parameter], cfg: TrainerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay)
 
 
 def lr_at(step: int, cfg: TrainerConfig) -> float:

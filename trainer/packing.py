@@ -66,6 +66,12 @@ class Row:
         """Tokens forwarded, padding included."""
         return int(self.input_ids.numel())
 
+    @property
+    def n_real(self) -> int:
+        """Tokens forwarded, padding excluded: every token with a parent, and the roots (depth 0). A pad
+        has no parent and sits at its column's position (>= 1: a padded row starts with a real token)."""
+        return int(((self.parent_index >= 0) | (self.position_ids == 0)).sum())
+
     def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense [1, 1, L, L] mask: bool (True = attend) or additive (0 / dtype's min)."""
         return tree_attention_mask(self.subtree_end, dtype)

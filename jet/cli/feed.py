@@ -86,6 +86,22 @@ class Feeder:
         finally:
             self._cm.__exit__(None, None, None)
 
+    def longest_micro_batch_s(self) -> float:
+        """The longest micro-batch any live trainer of the run reported in its heartbeat (s); 0 if none
+        (or Redis is unreachable): how long a stopping trainer may still be busy (`jet up`'s drain)."""
+        from jet.queues import registry
+        from jet.errors import QueueError
+
+        async def longest() -> float:
+            try:
+                seen = await registry.workers(self.r, self.keys, url=self.url)
+            except QueueError:
+                return 0.0
+            times = [w.get("micro_batch_s") for w in seen if w["alive"] and w.get("role") == "trainer"]
+            return max([float(t) for t in times if isinstance(t, (int, float))], default=0.0)
+
+        return self.portal.call(longest)
+
     # -- topping up -----------------------------------------------------------
 
     def tick(self) -> None:

@@ -9,7 +9,9 @@ A role that crashes is restarted with backoff; one that keeps crashing, or
 stops with a fatal error (bad config, refused credentials, the wrong server),
 ends `jet up` with that error and the role's last log lines on the terminal.
 Ctrl-C (or SIGTERM) drains: every role gets SIGTERM (finish or release work,
-checkpoint), then the server stops gracefully. Role logs go to
+checkpoint; a trainer in a long step abandons it at its next micro-batch), then
+the server stops gracefully. The drain waits `drain_deadline`: a minute plus twice
+the longest micro-batch a trainer has reported, then kills what is left. Role logs go to
 `<runs_dir>/<run>/logs/`.
 
 What it is not: a deployment tool. Each role it starts is a plain `jet`
@@ -35,6 +37,13 @@ from jet.runs import RunDir
 from jet.supervisor import Child, Supervisor, python_module
 
 DEFAULT_MODEL_HOME = ".jet/models"  # models under this folder are built on demand
+DRAIN_S = 60.0  # how long a drain waits for the roles before killing what is left (s), plus a trainer's share
+
+
+def drain_deadline(micro_batch_s: float) -> float:
+    """The drain's wait: DRAIN_S, plus twice the longest micro-batch a trainer reported (a stop abandons a
+    step before its next micro-batch, so a trainer is busy that long at most before it checkpoints)."""
+    return DRAIN_S + 2 * micro_batch_s
 
 
 def has_trainer() -> bool:
@@ -168,10 +177,11 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
         code = 1
     finally:
         click.echo(feed.summary(), err=True)
+        drain_s = drain_deadline(feed.longest_micro_batch_s())
         if sup.stops == 0:
             click.echo("draining roles...", err=True)
             sup.stop()
-        sup.wait(timeout=60)
+        sup.wait(timeout=drain_s)
         feed.close()
         if dash:
             dash.stop()

@@ -15,6 +15,12 @@ Built-in datasets and the workflows that play them:
   a real pretrained model's task, with a held-out evaluation split that shares
   no problem with training (`jet.tasks.add`: `workflow` on the `openai` SDK,
   `eval_rows` and `score` for `jet eval`);
+- "tally": a running total kept over a four-turn dialogue, each environment
+  message answering the model's last total ("Correct." / "Wrong: the total is
+  27.") with the next change, under a ~250-token system prompt of rules and
+  worked examples; reward: the fraction of right totals; a held-out split
+  (`jet.tasks.tally`: `workflow` on the `openai` SDK, `environment` and
+  `eval_rows` for `jet eval`);
 - "propose": a range; a proposer model picks the secret and a solver model
   guesses it (`jet.tasks.propose:workflow`, two agents on two models, a
   per-agent reward).
@@ -39,6 +45,7 @@ DATASETS = {
     "guess": "jet.tasks.guess:rows",
     "arith": "jet.tasks.expressions:rows",
     "add": "jet.tasks.add:rows",
+    "tally": "jet.tasks.tally:rows",
     "propose": "jet.tasks.propose:rows",
     "units": "jet.tasks.units:rows",
     "lookup": "jet.tasks.lookup:rows",

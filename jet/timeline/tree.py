@@ -14,7 +14,8 @@ Invariants:
   logprob;
 - a node is trained by at most one call: when a completion token's node is
   already trained by another call (two members of a group sampled the same
-  tokens), a sibling with the same token is created, so both are trained;
+  tokens), a sibling with the same token is created, so both are trained; a
+  greedy call (temperature 0) claims no node, its tokens being context only;
 - a call reuses the deepest existing path that spells its tokens (such
   siblings make several), so tree mode never stores more than exact mode;
 - children keep creation order, so the output is deterministic.
@@ -78,6 +79,8 @@ class _Trie:
         path = self._deepest(ids, n_prompt)
         for token in ids[len(path) :]:
             path.append(self._new(path[-1] if path else 0, token))
+        if call.temperature == 0:  # a greedy call's tokens are context: they claim nothing (another call
+            return                 # may train the same tokens at these nodes)
         for offset, node in enumerate(path[n_prompt:]):
             self.who[node] = index
             self.k[node] = offset

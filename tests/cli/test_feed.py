@@ -109,3 +109,34 @@ def test_a_model_that_is_not_trained_is_not_held_back(embedded, tmp_path):
         assert backlog(embedded.url, cfg) == feed.target["guess"]
     finally:
         feed.close()
+
+
+def test_the_drain_waits_for_a_trainers_longest_micro_batch(embedded, tmp_path):
+    """`jet up` sizes its drain from the trainers' heartbeats (micro_batch_s): a stopping trainer may be
+    busy with one micro-batch before it checkpoints."""
+    import anyio
+
+    from jet.cli.up import DRAIN_S, drain_deadline
+    from jet.queues import registry
+    from jet.queues.connect import connect
+
+    assert drain_deadline(0.0) == DRAIN_S and drain_deadline(45.0) == DRAIN_S + 90
+    cfg = config(tmp_path)
+    keys = Keys(cfg.run)
+
+    async def beats():
+        r = await connect(embedded.url)
+        try:
+            await registry.beat(r, keys, "t-1", "trainer", micro_batch_s=12.5)
+            await registry.beat(r, keys, "t-2", "trainer", micro_batch_s=3.0)
+            await registry.beat(r, keys, "i-1", "infer", micro_batch_s=99.0)  # not a trainer
+        finally:
+            await r.aclose()
+
+    feed = Feeder(cfg, embedded.url)
+    try:
+        assert feed.longest_micro_batch_s() == 0.0
+        anyio.run(beats)
+        assert feed.longest_micro_batch_s() == 12.5
+    finally:
+        feed.close()

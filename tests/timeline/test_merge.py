@@ -209,3 +209,16 @@ def test_token_logprobs_reads_each_token_from_its_parent():
     assert torch.allclose(token_logprobs(logits, ids, parents), torch.tensor([[0.0, math.log(0.5), math.log(0.75)]]))
     tree_parents = torch.tensor([[-1, 0, 0]])  # token 2 is a sibling of token 1
     assert torch.allclose(token_logprobs(logits, ids, tree_parents)[0, 2], torch.tensor(math.log(0.5)))
+
+
+def test_a_greedy_call_claims_no_node_so_tree_mode_never_costs_more_than_exact():
+    """The case hypothesis found (tests/timeline/test_props.py): a greedy call's completion token used to
+    claim its trie node, so a sampled call with the same token made a sibling, and a later prompt went
+    down the greedy branch, keeping it alive: 6 tokens in tree mode against 5 in exact mode."""
+    def c(prompt, completion, model="m1", temperature=1.0):
+        return Call(prompt, completion, [-0.5] * len(completion), 0, model, "a", "stop", temperature)
+
+    calls = [c((0,), (0,), temperature=0.0), c((0,), (0,)), c((0,), (0,), model="m2"), c((0, 0, 0), ()),
+             c((0, 0), ()), c((0, 0), (0,))]
+    size = {mode: sum(map(len, merge_calls(calls, mode))) for mode in ("tree", "exact")}
+    assert size == {"tree": 5, "exact": 5}

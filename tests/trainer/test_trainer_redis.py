@@ -234,3 +234,41 @@ def test_malformed_entries_and_other_models_trajectories_are_dead_lettered(tiny_
     reasons = anyio.run(dead_reasons)
     assert len(reasons) == 2 and "model 'other'" in reasons[0] and "malformed entry" in reasons[1]
     assert anyio.run(stream_state, redis_url, keys)["pending"] == 0
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_long_step_abandons_it_and_a_restart_trains_it(tiny_model, redis_url, keys, tmp_path):
+    """A SIGTERM in the middle of a step far longer than a drain may wait: the trainer leaves it at the next
+    micro-batch and exits 0 at once, nothing of the step acked; a restart trains those trajectories once."""
+    from jet.trainer.step import DELAY_ENV
+
+    config = write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=1,
+                          checkpoint_every=1, batch_groups=2, micro_batch_tokens=12, prefix_trees=False)
+    cfg = load_file(config)
+    log = tmp_path / "trainer.log"
+    rng = random.Random(3)
+    produced = [t for g in range(2) for t in synthetic_group(f"a{g}", 2, rng)]
+    produce_sync(redis_url, keys, produced)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JET_LOG_LEVEL": "INFO", DELAY_ENV: "1.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "jet.trainer.cli", "--config", str(config), "--redis-url",
+                             redis_url], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: anyio.run(stream_state, redis_url, keys)["pending"] == 4, 120, proc, log)
+        time.sleep(2.5)  # in its step: more than 6 micro-batches of 1.5 s each (> 9 s)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+        took = time.monotonic() - stopped
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "abandoned" in text and "micro-batch" in text, text[-3000:]
+    assert took < 6, f"the stop waited {took:.1f} s: more than a micro-batch and a clean exit"
+    assert not Checkpoints(trainer_dir(cfg)).steps() and last_step(cfg) == 0, "nothing of the step was kept"
+    assert anyio.run(stream_state, redis_url, keys)["pending"] == 4, "its trajectories stay pending"
+    proc = start_trainer(config, redis_url, log)
+    try:
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    check_exactly_once(cfg, redis_url, keys, produced, {t.msg_id for t in produced})

@@ -10,7 +10,10 @@ ours: temperature, top-p, per-request seeds, max_tokens and stop ids.
 `await agenerate_one(prompt, params)` decodes each call together with the
 others in flight, joining and leaving between steps (continuous batching,
 `jet.workers.inference.hf_engine`), and `await aload_weights(...)` loads between them
-without dropping any. Both run the same scheduler and the same sampling math.
+without dropping any. Both run the same scheduler and the same sampling math, and
+share one prefix cache (`jet.workers.inference.prefix_cache`): a prompt that starts
+with tokens already computed (a group's shared prompt, an episode's earlier turns)
+prefills only the rest.
 
 What it is not: a server. No Redis; the sync API is not thread-safe, and is not
 to be mixed with the async one while async calls are in flight.
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING
 from jet.errors import WeightsError
 from jet.wire import WEIGHTS_FILE, file_sha256
 from jet.workers.inference.backend import GenOutput, SamplingParams, request_error, version_in
+from jet.workers.inference.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +58,7 @@ class HFBackend:
     """A transformers causal LM with a hand-written sampling loop."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                 max_inflight: int = 256):
+                 max_inflight: int = 256, prefix_cache_mb: float = 1024):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -68,6 +72,7 @@ class HFBackend:
         self.vocab_size = config.vocab_size
         self.version = 0
         self.max_inflight = max_inflight  # rows decoded together by the async API
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))  # emptied by every weight load
         self._engine = None
 
     @property
@@ -158,6 +163,7 @@ class HFBackend:
         with torch.no_grad():
             for name, tensor in state.items():
                 live[name].copy_(tensor)
+        self.prefix_cache.clear()  # keys and values of the old weights
         self.version = version if version is not None else version_in(file, default=self.version + 1)
 
     def _check_state(self, state: dict, live: dict, file: Path) -> None:

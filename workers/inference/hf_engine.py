@@ -12,6 +12,15 @@ wider than its longest live row. `Engine` puts it behind
 requests join and leave between steps. `HFBackend.generate` (the batch API) is
 the same scheduler with every request admitted at the first step.
 
+Prefix reuse: admission starts each prompt from the longest head the backend's
+prefix cache holds (`jet.workers.inference.prefix_cache`): those keys and values,
+left-padded to one width, go first in the new rows' cache and only the rest of
+each prompt is forwarded, at its true positions. Waiting prompts that share a
+head nothing cached covers (the members of a GRPO group) get it computed once
+first. A row that finishes leaves its prompt and completion in the cache, where
+the next turn of its episode finds them. The cache is emptied at every weight
+load, so reused keys and values always come from the weights serving the row.
+
 Weight loads: `Engine.aload_weights` passes `jet.workers.inference.gate.WeightGate`:
 it holds new requests back, waits for the rows in flight to finish, loads, and
 lets the held requests in (pause admission, drain, load, resume). So a
@@ -21,7 +30,8 @@ What it is not: a server or a queue reader (`jet.workers.inference.worker`), nor
 sampling math (`jet.workers.inference.hf.pick_tokens`, one place for both APIs).
 
 Invariants: padding is never attended (mask 0) and positions are explicit per
-row, so a row's logits do not depend on its batch neighbours beyond float noise;
+row, so a row's logits do not depend on its batch neighbours (nor on whether its
+head came from the prefix cache) beyond float noise;
 each row owns its generator and draws one uniform per token (batch invariance
 as in hf_backend); a cancelled caller's row is dropped at the next step. Models
 whose cache has sliding-window layers are served without merging: new requests
@@ -41,6 +51,7 @@ import anyio
 
 from jet.workers.inference.backend import GenOutput, SamplingParams, generator, pick_tokens
 from jet.workers.inference.gate import WeightGate
+from jet.workers.inference.prefix_cache import shared_heads
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +59,8 @@ if TYPE_CHECKING:
     from jet.workers.inference.hf import HFBackend
 
 log = logging.getLogger(__name__)
+
+SHARED_MIN_TOKENS = 16  # a head several waiting prompts share is prefilled once from this length on
 
 
 @dataclass(eq=False)
@@ -129,19 +142,79 @@ class Scheduler:
     # -- the two kinds of forward ---------------------------------------------
 
     def _admit(self, fresh: list[Row]) -> list[Row]:
+        """Prefill the fresh rows' prompts (each from the longest head the prefix cache holds) and sample
+        their first tokens."""
+        import torch
         from transformers import DynamicCache
 
-        ids, mask, pos = self.b._left_pad([r.prompt for r in fresh])
+        pc = self.b.prefix_cache
+        use_cache = pc.max_bytes > 0 and self.mergeable
+        hits = [pc.match(r.prompt) if use_cache else (None, 0) for r in fresh]
+        if use_cache:
+            heads = shared_heads([r.prompt for r in fresh], [n for _, n in hits], SHARED_MIN_TOKENS)
+            if heads:  # several waiting prompts share a head nothing cached covers: compute it once
+                self._prefill_heads(heads)
+                hits = [pc.match(r.prompt) for r in fresh]
+        pc.stats.prompt_tokens += sum(len(r.prompt) for r in fresh)
+        pc.stats.reused_tokens += sum(n for _, n in hits)
+        ids, mask, pos = self.b._left_pad([r.prompt[n:] for r, (_, n) in zip(fresh, hits)])
         cache = DynamicCache(config=self.b.model.config)
+        width = max(n for _, n in hits)
+        if width:  # the cached heads, left-padded to one width, before the rest of each prompt
+            starts = torch.tensor([[n] for _, n in hits], dtype=pos.dtype, device=pos.device)
+            pos = pos + starts
+            heads = [pc.get(key, n) if key else None for key, n in hits]
+            like = next(h for h in heads if h)
+            for layer in range(len(like)):
+                keys = torch.cat([_left_kv(h[layer][0] if h else None, like[layer][0], width) for h in heads])
+                values = torch.cat([_left_kv(h[layer][1] if h else None, like[layer][1], width) for h in heads])
+                cache.update(keys, values, layer)
+            held = torch.arange(width, device=mask.device)[None, :] >= width - starts
+            mask = torch.cat([held.to(mask.dtype), mask], dim=1)
         logits = self._forward(ids, mask, pos, cache)
         done, keep = self._sample(fresh, logits)
+        self._remember(cache, mask, fresh, keep)
         if keep:
             self._merge(*self._kept(cache, mask, pos[:, -1:] + 1, fresh, keep))
         return done
 
+    def _prefill_heads(self, heads: list[tuple[int, ...]]) -> None:
+        """Compute the keys and values of `heads` (one batch, no sampling) into the prefix cache."""
+        from transformers import DynamicCache
+
+        ids, mask, pos = self.b._left_pad([list(h) for h in heads])
+        cache = DynamicCache(config=self.b.model.config)
+        self._forward(ids, mask, pos, cache)
+        self.mergeable = _plain_layers(cache)
+        if self.mergeable:
+            for i, head in enumerate(heads):
+                self.b.prefix_cache.put(head, self._row_kv(cache, mask, i))
+        self.b.prefix_cache.stats.shared_prefills += len(heads)
+
+    def _row_kv(self, cache, mask, i: int):
+        """Row i's keys and values at its unmasked columns, copied: [1, kv_heads, n, head_dim] per layer."""
+        cols = mask[i].nonzero().squeeze(1)
+        return [(layer.keys[i:i + 1, :, cols].clone(), layer.values[i:i + 1, :, cols].clone())
+                for layer in cache.layers]
+
+    def _remember(self, cache, mask, rows: list[Row], keep: list[int]) -> None:
+        """Put each finished row's prompt and completion (all but the last token, never fed) in the prefix
+        cache: the next turn of its episode starts with them."""
+        pc = self.b.prefix_cache
+        if pc.max_bytes <= 0 or len(keep) == len(rows) or not _plain_layers(cache):
+            return
+        kept = set(keep)
+        for i, row in enumerate(rows):
+            if i not in kept and row.finish != "error":
+                kv = self._row_kv(cache, mask, i)
+                tokens = row.prompt + row.tokens[:-1]
+                if kv[0][0].shape[2] == len(tokens):  # the row's columns are exactly its tokens
+                    pc.put(tokens, kv)
+
     def _decode(self) -> list[Row]:
         logits = self._forward(self.next_ids, self.mask, self.pos, self.cache)
         done, keep = self._sample(self.rows, logits)
+        self._remember(self.cache, self.mask, self.rows, keep)
         self.cache, self.mask, self.pos, self.next_ids, self.rows = self._kept(
             self.cache, self.mask, self.pos + 1, self.rows, keep)
         if self.rows:
@@ -272,6 +345,16 @@ def _left(mask, width: int):
     import torch.nn.functional as F
 
     return F.pad(mask, (width - mask.shape[1], 0))
+
+
+def _left_kv(t, like, width: int):
+    """A row's cached keys or values ([1, kv_heads, n, head_dim]) left-padded with zeros to `width`
+    columns; zeros of `like`'s shape for a row with nothing cached."""
+    import torch.nn.functional as F
+
+    if t is None:
+        return like.new_zeros((1, like.shape[1], width, like.shape[3]))
+    return F.pad(t, (0, 0, width - t.shape[2], 0))
 
 
 def _plain_layers(cache) -> bool:

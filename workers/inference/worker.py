@@ -62,17 +62,28 @@ log = logging.getLogger(__name__)
 DEADLINE_GRACE_S = 1.0  # clock skew tolerated between client and worker (s)
 
 
-def make_backend(kind: str, path: str, device: str, max_inflight: int = 64, dtype: str = "float32") -> Any:
+def make_backend(kind: str, path: str, device: str, max_inflight: int = 64, dtype: str = "float32",
+                 prefix_cache_mb: int = 1024) -> Any:
     """Load the backend (blocking: call from a thread)."""
     if kind == "hf":
         from jet.workers.inference.hf import HFBackend
 
-        return HFBackend(path, device=device, dtype=dtype, max_inflight=max_inflight)
+        return HFBackend(path, device=device, dtype=dtype, max_inflight=max_inflight,
+                         prefix_cache_mb=prefix_cache_mb)
     if kind == "vllm":
         from jet.workers.inference.vllm import VLLMBackend
 
         return VLLMBackend(path, device=device, dtype=dtype, max_num_seqs=max_inflight)
     raise ValueError(f"unknown backend {kind!r}; expected 'hf' or 'vllm'")
+
+
+def prefill_counts(backend) -> dict[str, int]:
+    """The heartbeat's prompt counters (hf backend): prompt tokens admitted and those computed, the rest
+    taken from the prefix cache (`jet.workers.inference.prefix_cache`); {} for a backend without one."""
+    cache = getattr(backend, "prefix_cache", None)
+    if cache is None:
+        return {}
+    return {"prompt_tokens": cache.stats.prompt_tokens, "prefill_tokens": cache.stats.computed_tokens}
 
 
 class Handler:
@@ -164,14 +175,14 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
         torch.set_num_threads(m.threads)
     if backend is None:
         backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
-                                                 m.max_inflight, m.dtype)
+                                                 m.max_inflight, m.dtype, m.prefix_cache_mb)
     name = consumer_name(f"infer-{model}", slot)
     try:
         rw = await retry_forever(lambda: connect(url, block_ms=settings.block_ms, name=name), url=url,
                                  what="connect", stop=stop)
         beat = {"model": model, "backend": backend_kind or m.backend}
         async with Runtime(url, keys, keys.gen(model), GROUP_INFER, name, settings, stop=stop, role="infer",
-                           beat=lambda: {**beat, "weight_version": backend.version}) as rt:
+                           beat=lambda: {**beat, "weight_version": backend.version, **prefill_counts(backend)}) as rt:
             follower = WeightFollower(rt.client, rw, url, keys, model, name, weights_roots(cfg, model),
                                       settings.block_ms)
             await follower.catch_up(backend)

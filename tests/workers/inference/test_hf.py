@@ -152,6 +152,14 @@ def test_max_tokens_is_clipped_to_the_context_left(backend):
     assert backend.context_length == CONTEXT
 
 
+def unchanged(out, before) -> bool:
+    """The same generation: tokens, finish and version exactly, logprobs up to float noise (the second call
+    takes its prompt's head from the prefix cache, computed in another batch)."""
+    return (out.token_ids, out.finish_reason, out.version) == (before.token_ids, before.finish_reason,
+                                                                before.version) and out.logprobs == pytest.approx(
+        before.logprobs, abs=1e-5)
+
+
 def test_load_weights_checks_hash_and_changes_outputs(model_dir, tmp_path):
     live = HFBackend(model_dir)
     prompt, greedy = [[21, 22, 23]], [SamplingParams(temperature=0, max_tokens=10)]
@@ -160,7 +168,7 @@ def test_load_weights_checks_hash_and_changes_outputs(model_dir, tmp_path):
 
     with pytest.raises(WeightsError, match="sha256"):
         live.load_weights(file, sha256="0" * 64)
-    assert live.version == 0 and live.generate(prompt, greedy)[0] == before
+    assert live.version == 0 and unchanged(live.generate(prompt, greedy)[0], before)
 
     live.load_weights(file.parent, sha256=digest)  # a dir holding model.safetensors
     after = live.generate(prompt, greedy)[0]
@@ -188,7 +196,7 @@ def test_load_weights_rejects_files_that_do_not_fit(model_dir, tmp_path):
         live.load_weights(tmp_path / "missing.safetensors")
     with pytest.raises(WeightsError, match="no weights file"):
         live.load_weights(tmp_path / "nowhere")
-    assert live.version == 0 and live.generate(prompt, greedy)[0] == before
+    assert live.version == 0 and unchanged(live.generate(prompt, greedy)[0], before)
 
 
 def test_sampler_draws_from_the_tempered_and_truncated_distribution():
