@@ -13,7 +13,7 @@ else 0.0. No shaping: a wrong answer earns nothing, however it is formatted. A s
 signal for GRPO and there is room to improve (docs/benchmarks.md, `jet bench trl`: 9 of 100 held-out
 problems right, greedy, before training).
 
-Rows: {"a": 47, "b": 38, "answer": 85}, optionally "max_tokens" (24) and "temperature" (1.0).
+Rows: {"a": 47, "b": 38, "answer": 85}, optionally "max_tokens" (24), "temperature" (1.0) and "top_p" (1.0).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ async def workflow(task: Task, llm: Any) -> float:
     async with llm.openai_client() as client:  # openai.AsyncOpenAI on this episode's gateway
         response = await client.chat.completions.create(
             model=llm.model, messages=messages(row), max_tokens=int(row.get("max_tokens", 24)),
-            temperature=float(row.get("temperature", 1.0)))
+            temperature=float(row.get("temperature", 1.0)), top_p=float(row.get("top_p", 1.0)))
     reply = response.choices[0].message.content
     llm.info.update(answer=last_integer(reply), correct=score(row, reply) == 1.0)
     return score(row, reply)

@@ -23,8 +23,8 @@ and 5% sampled at temperature 1 (a rules-only system prompt without the worked t
 The agent (`workflow`) is plain OpenAI-SDK code on the episode's gateway; `Tally` is the environment
 alone (no model, no I/O), so `jet eval` and `jet bench trl`'s TRL side play exactly the same episodes.
 
-Rows: {"start": 23, "changes": [4, -6, 9, -5]}, optionally "max_tokens" (per turn, 8) and "temperature"
-(1.0).
+Rows: {"start": 23, "changes": [4, -6, 9, -5]}, optionally "max_tokens" (per turn, 8), "temperature" (1.0)
+and "top_p" (1.0).
 """
 
 from __future__ import annotations
@@ -141,10 +141,12 @@ async def workflow(task: Task, llm: Any) -> float:
     env = Tally(row)
     messages = env.opening()
     max_tokens, temperature = int(row.get("max_tokens", MAX_TOKENS)), float(row.get("temperature", 1.0))
+    top_p = float(row.get("top_p", 1.0))
     async with llm.openai_client() as client:  # openai.AsyncOpenAI on this episode's gateway
         while True:
             response = await client.chat.completions.create(model=llm.model, messages=messages,
-                                                            max_tokens=max_tokens, temperature=temperature)
+                                                            max_tokens=max_tokens, temperature=temperature,
+                                                            top_p=top_p)
             reply = response.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": reply})
             follow = env.answer(reply)

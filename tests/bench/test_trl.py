@@ -1,15 +1,17 @@
-"""`jet bench trl`: the exact paired sign test, and the Jet side of a real (tiny) run with its report."""
+"""`jet bench trl`: the statistics (exact McNemar, Wilcoxon, t intervals, the alternating order) and the Jet
+arms of a real (tiny) run on the multi-turn task with its report. The TRL arm runs in CI's TRL tier
+(tests/bench/test_trl_side.py, in a venv with trl)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
 import pytest
 from click.testing import CliRunner
 
-from jet.bench.trl import paired, sign_test, tree_rss
+from jet.bench.trl import mean_interval, order_of, paired, sign_test
+from jet.bench.trl_arms import tree_rss
 
 
 def test_sign_test_matches_hand_computed_binomial_tails():
@@ -28,9 +30,24 @@ def test_sign_test_matches_hand_computed_binomial_tails():
 def test_paired_counts_only_discordant_rows():
     x = [1, 1, 0, 0, 1, 0, 1]
     y = [1, 0, 1, 1, 1, 1, 0]
-    assert paired(x, y) == {"x_only": 2, "y_only": 3, "p": pytest.approx(sign_test(2, 3))}
+    assert paired(x, y) == {"test": "mcnemar", "x_only": 2, "y_only": 3, "p": pytest.approx(sign_test(2, 3))}
     with pytest.raises(ValueError, match="length"):
         paired([1], [1, 0])
+
+
+def test_fractional_results_get_a_wilcoxon_test_and_repeats_a_t_interval():
+    from scipy import stats
+
+    x, y = [0.0, 0.25, 0.5, 0.25, 0.0, 0.75], [0.25, 0.5, 0.5, 0.75, 0.25, 1.0]
+    p = paired(x, y)
+    assert p["test"] == "wilcoxon" and p["mean_diff"] == pytest.approx(0.25)
+    assert p["p"] == pytest.approx(stats.wilcoxon([0.25, 0.25, 0.5, 0.25, 0.25], method=stats.PermutationMethod(
+        n_resamples=32)).pvalue)
+    m = mean_interval([1.0, 2.0, 3.0])
+    assert m["mean"] == 2.0 and m["ci95"] == pytest.approx([2 - 4.302653 / math.sqrt(3), 2 + 4.302653 / math.sqrt(3)])
+    assert mean_interval([5.0]) == {"mean": 5.0, "ci95": None, "n": 1}
+    assert [order_of(["jet", "jet-flat", "trl"], r) for r in range(3)] == [
+        ["jet", "jet-flat", "trl"], ["trl", "jet-flat", "jet"], ["jet", "jet-flat", "trl"]]
 
 
 @pytest.mark.slow  # it starts a child process
@@ -52,30 +69,34 @@ def test_tree_rss_counts_children(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_trl_jet_side_on_the_tiny_model(tmp_path):
+def test_bench_trl_jet_arms_on_the_multi_turn_task(tmp_path):
+    """Both Jet arms on tally with the random tiny model: every step trains whole groups, the default arm
+    forwards fewer tokens per trajectory than one sample per call (merging and group trees) and its
+    engine prefills fewer than the prompts hold (prefix reuse); held-out evals and paired tests come out."""
     from jet.bench.trl import cli
     from jet.models import init_model
 
-    model = init_model(tmp_path / "tiny", seed=0)
-    args = ["--model", str(model), "--budget-s", "60", "--eval-n", "7", "--group-size", "2", "--batch-groups", "2",
-            "--lr", "1e-3", "--out", str(tmp_path / "out"), "--json"]
-    has_trl = importlib.util.find_spec("trl") is not None
+    model = init_model(tmp_path / "tiny", max_position=1024, seed=0)
+    args = ["--task", "tally", "--arms", "jet,jet-flat", "--model", str(model), "--budget-s", "35", "--eval-n", "3",
+            "--group-size", "2", "--batch-groups", "2", "--max-tokens", "3", "--lr", "1e-3",
+            "--out", str(tmp_path / "out"), "--json"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output[-3000:]
     report = json.loads(result.output[result.output.index("{"):])
-    jet = report["sides"]["jet"]
-    assert jet["steps"] > 0 and jet["trajectories"] >= 4 * jet["steps"] and jet["tokens_per_s"] > 0
-    assert jet["trajectories_per_min"] > 0 and jet["peak_rss_mib"] > 100  # Redis + three torch-or-not roles
-    assert len(jet["reward_curve"]) == jet["steps"] and all(0 <= r <= 1 for _, r in jet["reward_curve"])
-    assert "/weights/policy/v" in jet["weights"]
-    for name in ["base", "jet"] + (["trl"] if has_trl else []):
-        e = report["evals"][name]
-        assert e["n"] == 7 and len(e["results"]) == 7 and e["correct"] == sum(e["results"])
-        assert e["ci95"][0] <= e["accuracy"] <= e["ci95"][1]
-    assert set(report["paired"]) >= {"jet_vs_base"}
-    assert report["paired"]["jet_vs_base"]["p"] == sign_test(report["paired"]["jet_vs_base"]["base_only"],
-                                                             report["paired"]["jet_vs_base"]["jet_only"])
-    if not has_trl:
-        assert "trl" not in report["sides"] and report["ratios"] == {}
-        assert "trl is not importable" in report["skipped"][0]
+    assert [r["arm"] for r in report["runs"]] == ["jet", "jet-flat"] and report["arms"] == ["jet", "jet-flat"]
+    for run in report["runs"]:
+        assert run["steps"] > 0 and run["trajectories"] == 4 * run["steps"], run  # whole groups, 2 x 2 a step
+        assert len(run["reward_curve"]) == run["steps"] and all(0 <= r <= 1 for _, r in run["reward_curve"])
+        assert "/weights/policy/v" in run["weights"] and run["peak_rss_mib"] > 100 and run["load_mean"] >= 0
+        assert run["prefill_tokens_per_trajectory"] < run["prompt_tokens_per_trajectory"], run
+        e = run["eval"]
+        assert e["n"] == 3 and len(e["results"]) == 3 and all(v in (0, 0.25, 0.5, 0.75, 1) for v in e["results"])
+    jet, flat = report["runs"]
+    assert jet["forward_tokens_per_trajectory"] < flat["forward_tokens_per_trajectory"] / 2, (jet, flat)
+    ratio = report["summary"]["ratios"]["jet/jet-flat"]
+    assert ratio["forward_tokens_per_trajectory"]["per_repeat"] == [
+        pytest.approx(jet["forward_tokens_per_trajectory"] / flat["forward_tokens_per_trajectory"])]
+    assert set(report["summary"]["paired"]) == {"jet_vs_base", "jet-flat_vs_base", "jet_vs_jet-flat"}
+    assert report["shared"]["task"] == "tally" and report["shared"]["max_turns"] == 4
+    assert report["versions"]["jet"]["torch"].startswith("2.")
     assert (tmp_path / "out" / "report.json").is_file() and (tmp_path / "out" / "reward.png").is_file()

@@ -194,6 +194,10 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
                 tg.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
             await rw.aclose()
+        counts = prefill_counts(backend)
+        if counts:
+            log.info("%s: %d prompt tokens admitted, %d prefilled (the rest from the prefix cache)", name,
+                     counts["prompt_tokens"], counts["prefill_tokens"])
     finally:
         if close_backend and hasattr(backend, "close"):
             backend.close()

@@ -1,0 +1,300 @@
+"""The arms of `jet bench trl` and the settings they share: one training run each, on a wall-clock budget.
+
+What it is: `Shared`, every setting both frameworks take (task, group size, groups per step, AdamW,
+clip, loss aggregation, sampling, per-turn token limit, seed), in ONE place: `jet_config` and the TRL
+side's `grpo_config` (`jet.bench.trl_side`) both read it and nothing else, and `MAPPING` says which key
+of each it becomes (tests/bench/test_trl_side.py checks the GRPOConfig against the Jet config). Both
+read the same training rows from one JSONL file (`write_rows`), which carries the sampling temperature
+and per-turn token limit the task's agent uses on the Jet side.
+
+The arms (`ARMS`):
+- `jet`: `jet up` as a user gets it: timelines merged exactly (`merge: exact`), group prefix trees in
+  the trainer and prefix reuse in the inference engine (the defaults);
+- `jet-flat`: the same run with one training sample per LLM call (`merge: none`, `prefix_trees: false`),
+  how Agent Lightning and SkyRL train by default;
+- `trl`: TRL's GRPOTrainer (`jet.bench.trl_side`) in a subprocess of the TRL interpreter.
+
+`run_arm` runs one, stopped at the budget, and reports its steps, trajectories, tokens (completion,
+forwarded in training, prefilled in generation), reward curve, peak RSS of its process tree, the load
+average while it ran, and its final weights.
+
+What it is not: the statistics or the report (`jet.bench.trl`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+
+from jet.cli.feed import FINAL
+from jet.runs import RunDir, read_metrics
+from jet.wire import WEIGHTS_FILE
+
+RUN, MODEL = "bench-trl", "policy"
+ARMS = ("jet", "jet-flat", "trl")
+
+
+@dataclass(frozen=True)
+class Shared:
+    """Every setting both sides share (the bench's flags); `jet_config` and `trl_side.grpo_config` read
+    only these."""
+
+    task: str = "add"
+    group_size: int = 8
+    batch_groups: int = 4
+    lr: float = 2e-5
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 24  # per model turn
+    max_turns: int = 1  # model turns per episode (the task's)
+    loss: str = "token_mean"  # TRL's "dapo" (trl_side.LOSS_TYPE)
+    seed: int = 0
+    device: str = "cpu"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# (Shared field, the Jet config key it sets, the GRPOConfig attribute it sets); "rows[].x": a field of every
+# training row (the agent reads it), "-": no such setting on that side (its meaning is said in UNMATCHED).
+MAPPING = [
+    ("group_size", "tasks[0].group_size", "num_generations"),
+    ("batch_groups", "trainer.batch_groups", "per_device_train_batch_size / num_generations"),
+    ("lr", "trainer.lr", "learning_rate"),
+    ("adam_betas", "trainer.adam_betas", "(adam_beta1, adam_beta2)"),
+    ("adam_eps", "trainer.adam_eps", "adam_epsilon"),
+    ("weight_decay", "trainer.weight_decay", "weight_decay"),
+    ("grad_clip", "trainer.grad_clip", "max_grad_norm"),
+    ("clip_eps", "trainer.clip_eps", "epsilon"),
+    ("temperature", "rows[].temperature", "temperature"),
+    ("top_p", "rows[].top_p", "top_p"),
+    ("max_tokens", "rows[].max_tokens", "-"),  # TRL: max_new_tokens of each turn (trl_side.MultiTurn) or
+    ("seed", "trainer.seed", "seed"),          # max_completion_length (single turn)
+    ("loss", "trainer.loss_agg", "loss_type"),
+]
+
+
+def write_rows(s: Shared, path: Path, n: int = 20_000) -> Path:
+    """The training rows both sides read: the task's own rows with the shared sampling settings."""
+    from jet.tasks import dataset
+
+    extra = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p}
+    path.write_text("".join(json.dumps({**row, **extra}) + "\n" for row in dataset(s.task, n, seed=s.seed)))
+    return path
+
+
+def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_staleness: int) -> dict:
+    """The `jet up` config of a Jet arm (jet/config.py keys), from the shared settings only."""
+    G, B = s.group_size, s.batch_groups
+    flat = arm == "jet-flat"
+    return {
+        "run": RUN, "runs_dir": str(out / "runs"),
+        "models": [{"name": MODEL, "path": model, "device": s.device, "max_inflight": G * B}],
+        "tasks": [{"name": s.task, "workflow": f"jet.tasks.{s.task}:workflow", "dataset": str(rows),
+                   "group_size": G, "concurrency": G * B, "episode_timeout_s": 1200, "model": MODEL,
+                   "merge": "none" if flat else "exact"}],
+        "trainer": {"lr": s.lr, "batch_groups": B, "clip_eps": s.clip_eps, "kl_coef": 0.0, "loss_agg": s.loss,
+                    "advantage": "grpo", "weight_decay": s.weight_decay, "grad_clip": s.grad_clip,
+                    "adam_betas": list(s.adam_betas), "adam_eps": s.adam_eps, "prefix_trees": not flat,
+                    "lr_schedule": "constant", "warmup_steps": 0, "max_staleness": max_staleness,
+                    "steps": 1_000_000, "seed": s.seed, "device": s.device, "checkpoint_every": 0,
+                    "keep_weights": 2, "micro_batch_tokens": 4096, "loggers": ["jsonl"],
+                    "group_timeout_s": 1200, "min_group_size": G},
+    }
+
+
+# ---- processes
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of process `root` and all its descendants (from /proc; 0 when it is gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo, page = 0, [root], os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        pid = todo.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            pass
+        todo += children.get(pid, [])
+    return total
+
+
+class Sampler:
+    """Every `every` s on a thread: the peak RSS of a process tree (bytes) and the machine's 1-minute load
+    average (/proc/loadavg), whose mean and max say how busy the machine was during the run."""
+
+    def __init__(self, pid: int, every: float = 1.0):
+        self.peak, self.loads, self._stop = 0, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(pid, every), daemon=True)
+        self._thread.start()
+
+    def _run(self, pid: int, every: float) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss(pid))
+            try:
+                self.loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            except (OSError, ValueError):
+                pass
+            self._stop.wait(every)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        loads = self.loads or [float("nan")]
+        return {"peak_rss_mib": self.peak / 2 ** 20, "load_mean": sum(loads) / len(loads), "load_max": max(loads)}
+
+
+def supervise(argv: list[str], env: dict, log: Path, budget_s: float, t0: float, stop_at_budget: bool,
+              grace_s: float = 900.0) -> tuple[int, dict]:
+    """Run `argv` (output to `log`); SIGTERM it at t0 + budget_s when `stop_at_budget`. (exit code, samples)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        sampler = Sampler(proc.pid)
+        try:
+            while proc.poll() is None and time.time() < t0 + budget_s:
+                time.sleep(0.5)
+            if proc.poll() is None and stop_at_budget:
+                proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=grace_s + (0 if stop_at_budget else budget_s))
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            samples = sampler.stop()
+    return code, samples
+
+
+def tail(log: Path, n: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.is_file() else ""
+
+
+# ---- the arms
+
+
+def run_arm(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, *, threads: dict,
+            max_staleness: int, trl_python: str | None, generation: str, say) -> dict:
+    if arm == "trl":
+        return run_trl(s, model, rows, out, budget_s, threads["trl"], trl_python, generation, say)
+    return run_jet(arm, s, model, rows, out, budget_s, threads["jet_per_process"], max_staleness, say)
+
+
+def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, threads: int,
+            max_staleness: int, say) -> dict:
+    import yaml
+
+    folder = out
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    cfg = folder / "config.yaml"
+    cfg.write_text(yaml.safe_dump(jet_config(s, arm, model, rows, folder, max_staleness), sort_keys=False))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "JET_LOG_LEVEL": "INFO"}
+    env.pop("JET_REDIS_URL", None)
+    argv = [sys.executable, "-m", "jet.cli.main", "up", "--config", str(cfg), "--no-live", "--no-dash",
+            "--run-dir", str(folder / "server")]
+    say(f"{arm}: jet up for {budget_s:.0f} s (log {folder / 'up.log'})")
+    t0 = time.time()
+    code, samples = supervise(argv, env, folder / "up.log", budget_s, t0, stop_at_budget=True)
+    run = RunDir(folder / "runs", RUN)
+    lines = read_metrics(run.metrics(MODEL))
+    rows_ = [r for r in lines if "rollout/reward_mean" in r]
+    versions = [run.weight_version(MODEL, v) for v in run.versions(MODEL)
+                if (run.weight_version(MODEL, v) / WEIGHTS_FILE).is_file()]
+    if not rows_ or not versions:
+        raise click.ClickException(f"{arm} trained no step (exit {code}); {folder / 'up.log'}:\n"
+                                   f"{tail(folder / 'up.log')}")
+    steps = [{"step": int(r["step"]), "t": r["time"] - t0, "reward": r["rollout/reward_mean"],
+              "trajectories": int(r["rollout/trajectories"]), "tokens": float(r["train/tokens"]),
+              "forward_tokens": float(r.get("train/forward_tokens", 0.0))} for r in rows_]
+    last = lines[-1]  # the trainer's outcome counts, cumulative (0s left out)
+    outcomes = {k.split("/", 1)[1]: int(v) for k, v in last.items() if k.count("/") == 1 and k.startswith("counts/")}
+    decided = sum(v for k, v in outcomes.items() if k in FINAL)
+    prefill = prefill_counts(run.logs)
+    generated = sum(outcomes.get(k, 0) for k in FINAL)  # every trajectory the swarm finished and the trainer saw
+    report = side_report(steps, budget_s, samples, code, weights=str(versions[-1]))
+    report.update(outcomes=outcomes, stale_fraction=outcomes.get("stale", 0) / decided if decided else None,
+                  prefill_tokens_per_trajectory=prefill["computed"] / generated if generated and prefill else None,
+                  prompt_tokens_per_trajectory=prefill["prompt"] / generated if generated and prefill else None)
+    return report
+
+
+PREFILL_LINE = re.compile(r"(\d+) prompt tokens admitted, (\d+) prefilled")
+
+
+def prefill_counts(logs: Path) -> dict | None:
+    """The inference workers' prompt counters from their drain lines (`jet.workers.inference.worker`)."""
+    prompt = computed = 0
+    for log in sorted(Path(logs).glob("infer*.log")):
+        found = PREFILL_LINE.findall(log.read_text(errors="replace"))
+        if found:
+            prompt, computed = prompt + int(found[-1][0]), computed + int(found[-1][1])
+    return {"prompt": prompt, "computed": computed} if prompt else None
+
+
+def run_trl(s: Shared, model: str, rows: Path, out: Path, budget_s: float, threads: int, trl_python: str,
+            generation: str, say) -> dict:
+    folder = out
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    t0 = time.time()
+    args = {"shared": s.as_dict(), "rows": str(rows), "model": model, "out": str(folder), "t0": t0,
+            "budget_s": budget_s, "threads": threads, "generation": generation}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "TRL_EXPERIMENTAL_SILENCE": "1"}
+    argv = [trl_python, "-P", "-m", "jet.bench.trl_side", "--args-json", json.dumps(args)]
+    say(f"trl: GRPOTrainer for {budget_s:.0f} s (log {folder / 'train.log'})")
+    code, samples = supervise(argv, env, folder / "train.log", budget_s, t0, stop_at_budget=False)
+    history = folder / "history.json"
+    if code != 0 or not history.is_file():
+        raise click.ClickException(f"trl side failed (exit {code}); {folder / 'train.log'}:\n"
+                                   f"{tail(folder / 'train.log')}")
+    info = json.loads(history.read_text())
+    report = side_report(info["steps"], budget_s, samples, code, weights=info["model"])
+    traj = report["trajectories"]
+    prefilled = sum(st.get("prefill_tokens", 0) for st in info["steps"])
+    report.update(versions=info["versions"], loss_type=info["loss_type"], generation=info["generation"],
+                  rollout=info["rollout"], prefill_tokens_per_trajectory=prefilled / traj if prefilled else None)
+    return report
+
+
+def side_report(steps: list[dict], budget_s: float, samples: dict, code: int, weights: str) -> dict:
+    """Throughput of one run from its per-step rows {step, t (s since launch), reward, trajectories, tokens,
+    forward_tokens}."""
+    wall = max(st["t"] for st in steps)  # launch to the end of the last step (it may pass the budget a little)
+    traj, tokens = sum(st["trajectories"] for st in steps), sum(st["tokens"] for st in steps)
+    forward = sum(st.get("forward_tokens", 0.0) for st in steps)
+    first, last = steps[0], steps[-1]  # after the first step: the rate without startup (imports, model loads)
+    span = last["t"] - first["t"]
+    steady = (traj - first["trajectories"]) / span * 60 if span > 0 else None
+    return {"steps": len(steps), "trajectories": traj, "completion_tokens": tokens, "wall_s": wall,
+            "first_step_s": first["t"], "steady_trajectories_per_min": steady,
+            "steps_after_budget": sum(1 for st in steps if st["t"] > budget_s),
+            "trajectories_per_min": traj / wall * 60, "tokens_per_s": tokens / wall,
+            "completion_tokens_per_trajectory": tokens / traj if traj else None,
+            "forward_tokens_per_trajectory": forward / traj if traj and forward else None,
+            **samples, "exit_code": code, "weights": weights,
+            "reward_curve": [[round(st["t"], 2), st["reward"]] for st in steps]}
