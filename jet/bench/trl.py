@@ -155,7 +155,8 @@ def summarise(runs: list[dict], base: dict, arms: list[str]) -> dict:
     ratios = {}
     for num, den in [("jet", "trl"), ("jet", "jet-flat"), ("jet-flat", "trl")]:
         if num in by_arm and den in by_arm:
-            pairs = {k: [a[k] / b[k] for a, b in zip(by_arm[num], by_arm[den]) if a.get(k) and b.get(k)]
+            pairs = {k: [a[k] / b[k] for a, b in zip(by_arm[num], by_arm[den])
+                         if a.get(k) is not None and b.get(k)]
                      for k in ("trajectories_per_min", "forward_tokens_per_trajectory",
                                "prefill_tokens_per_trajectory")}
             ratios[f"{num}/{den}"] = {k: {"per_repeat": v, **mean_interval(v)} for k, v in pairs.items() if v}
@@ -177,6 +178,8 @@ def plot(report: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     colours = {"jet": "C0", "jet-flat": "C2", "trl": "C1"}
     for run in report["runs"]:
+        if not run["reward_curve"]:
+            continue
         t, r = zip(*run["reward_curve"])
         ax1.plot(t, r, ".-", color=colours.get(run["arm"]), alpha=0.7,
                  label=run["arm"] if run["repeat"] == 0 else None)

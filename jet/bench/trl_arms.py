@@ -224,9 +224,12 @@ def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: fl
     rows_ = [r for r in lines if "rollout/reward_mean" in r]
     versions = [run.weight_version(MODEL, v) for v in run.versions(MODEL)
                 if (run.weight_version(MODEL, v) / WEIGHTS_FILE).is_file()]
-    if not rows_ or not versions:
-        raise click.ClickException(f"{arm} trained no step (exit {code}); {folder / 'up.log'}:\n"
+    if code != 0:
+        raise click.ClickException(f"{arm}: jet up failed (exit {code}); {folder / 'up.log'}:\n"
                                    f"{tail(folder / 'up.log')}")
+    if not rows_ or not versions:  # no step within the budget: a rate of 0, and the base model's weights
+        say(f"{arm}: no optimiser step within {budget_s:.0f} s")
+        rows_, versions = [], [model]
     steps = [{"step": int(r["step"]), "t": r["time"] - t0, "reward": r["rollout/reward_mean"],
               "trajectories": int(r["rollout/trajectories"]), "tokens": float(r["train/tokens"]),
               "forward_tokens": float(r.get("train/forward_tokens", 0.0))} for r in rows_]
@@ -234,12 +237,18 @@ def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: fl
     outcomes = {k.split("/", 1)[1]: int(v) for k, v in last.items() if k.count("/") == 1 and k.startswith("counts/")}
     decided = sum(v for k, v in outcomes.items() if k in FINAL)
     prefill = prefill_counts(run.logs)
-    generated = sum(outcomes.get(k, 0) for k in FINAL)  # every trajectory the swarm finished and the trainer saw
+    generated = finished_trajectories(folder / "up.log")  # every episode the swarm finished (jet up's summary)
     report = side_report(steps, budget_s, samples, code, weights=str(versions[-1]))
     report.update(outcomes=outcomes, stale_fraction=outcomes.get("stale", 0) / decided if decided else None,
                   prefill_tokens_per_trajectory=prefill["computed"] / generated if generated and prefill else None,
                   prompt_tokens_per_trajectory=prefill["prompt"] / generated if generated and prefill else None)
     return report
+
+
+def finished_trajectories(log: Path) -> int:
+    """The trajectories the run's episodes produced, from `jet up`'s last feed summary line."""
+    found = re.findall(r"trajectories (\d+) \(", log.read_text(errors="replace")) if log.is_file() else []
+    return int(found[-1]) if found else 0
 
 
 PREFILL_LINE = re.compile(r"(\d+) prompt tokens admitted, (\d+) prefilled")
@@ -283,7 +292,13 @@ def run_trl(s: Shared, model: str, rows: Path, out: Path, budget_s: float, threa
 
 def side_report(steps: list[dict], budget_s: float, samples: dict, code: int, weights: str) -> dict:
     """Throughput of one run from its per-step rows {step, t (s since launch), reward, trajectories, tokens,
-    forward_tokens}."""
+    forward_tokens}; a run without a step trained nothing in `budget_s`."""
+    if not steps:
+        return {"steps": 0, "trajectories": 0, "completion_tokens": 0, "wall_s": budget_s, "first_step_s": None,
+                "steady_trajectories_per_min": None, "steps_after_budget": 0, "trajectories_per_min": 0.0,
+                "tokens_per_s": 0.0, "completion_tokens_per_trajectory": None,
+                "forward_tokens_per_trajectory": None, **samples, "exit_code": code, "weights": weights,
+                "reward_curve": []}
     wall = max(st["t"] for st in steps)  # launch to the end of the last step (it may pass the budget a little)
     traj, tokens = sum(st["trajectories"] for st in steps), sum(st["tokens"] for st in steps)
     forward = sum(st.get("forward_tokens", 0.0) for st in steps)
