@@ -43,8 +43,9 @@ def train(tmp_path: Path, url: str, tiny_model: Path, run: str, *extra: str) -> 
     trajs = [t for g in range(2 * STEPS) for t in synthetic_group(f"g{g}", 3, rng)]
     keys = Keys(run)
     produce_sync(url, keys, trajs)
+    # each sample on its own (no group trees): 3 rows a step, so one rank of two runs a padding micro-batch
     config = write_config(tmp_path / f"{run}.yaml", run, tiny_model, tmp_path / "runs", steps=STEPS,
-                          checkpoint_every=2, kl_coef=0.05, micro_batch_tokens=40, lr=1e-3)
+                          checkpoint_every=2, kl_coef=0.05, micro_batch_tokens=40, lr=1e-3, prefix_trees=False)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JET_LOG_LEVEL": "WARNING"}
     out = subprocess.run([sys.executable, "-m", "jet.trainer.cli", "--config", str(config), "--redis-url", url,
                           *extra], env=env, capture_output=True, text=True, timeout=400)

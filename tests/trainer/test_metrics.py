@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -70,6 +71,10 @@ def test_tensorboard_mirrors_the_jsonl_and_hides_lost_steps_on_resume(tmp_path):
     for step in range(1, 6):
         m.log(step, {"train/loss": 1.0 / step, "rollout/reward_mean": step / 10})
     m.close()
+    # TensorBoard reads a folder's event files in name order: time (s), host, pid, then a per-process
+    # counter, which sorts "10" before "9". A resumed trainer is a later process; in one process (pytest
+    # workers have made other writers) the second file must at least start in a later second.
+    time.sleep(1.05)
     m = Metrics(tmp_path, resume_step=3)  # steps 4 and 5 were lost with the process and are trained again
     for step in (4, 5):
         m.log(step, {"train/loss": 10.0 * step, "rollout/reward_mean": 1.0})
