@@ -35,7 +35,9 @@ def read_tests(xml: Path) -> list[tuple[str, float]]:
     """(node id, seconds) of every test case in a JUnit XML file."""
     cases = []
     for case in ET.parse(xml).getroot().iter("testcase"):
-        module = case.get("classname", "").replace(".", "/")
+        if not case.get("classname"):  # a collection-time entry (a skipped module), not a test
+            continue
+        module = case.get("classname").replace(".", "/")
         cases.append((f"{module}.py::{case.get('name')}", float(case.get("time") or 0.0)))
     return cases
 
