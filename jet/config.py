@@ -121,6 +121,27 @@ class QueueConfig(Section):
         return self
 
 
+class AdapterConfig(Section):
+    r: PositiveInt = 16
+    """LoRA rank: the inner dimension of each low-rank update B @ A (parameters per adapted layer: r x (in + out))."""
+    alpha: PositiveFloat = 32.0
+    """LoRA alpha: the update is scaled by alpha / r (unitless)."""
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    """Dropout on the adapter's input while training (probability). Above 0 the trainer's logprobs are no
+    longer the sampler's (the sampler runs without dropout), so the on-policy ratio is not exactly 1."""
+    target_modules: list[NonEmpty] | Literal["all-linear"] = "all-linear"
+    """Which layers get an adapter: module names (suffixes, e.g. [q_proj, v_proj]) or 'all-linear' (every
+    linear layer but the output head: for Llama-like models the 7 attention and MLP projections)."""
+    publish: Literal["adapter", "merged"] = "adapter"
+    """What a weight version holds: 'adapter' (the adapter alone, ~1/28 of SmolLM2-135M at r 16 on every
+    projection; hf inference workers merge it into their copy of the base) or 'merged' (the full weights
+    with the adapter merged in, as full training publishes: what the vllm backend loads)."""
+    via_redis_mb: NonNegativeFloat = 64.0
+    """An adapter version at most this size also travels through Redis (chunked, checksummed, the newest
+    `trainer.keep_weights` versions kept), so an inference worker that shares no folder with the trainer
+    serves it (MiB); 0 = the run folder only. Full weights always go through the run folder."""
+
+
 class ModelConfig(Section):
     name: ModelName
     """Model name: key namespace of its gen/traj/weights streams, referenced by tasks[].model."""
@@ -153,6 +174,9 @@ class ModelConfig(Section):
     """Folders weight announcements may point into besides <runs_dir>/<run>/weights/<model> (paths)."""
     trainer: dict[str, Any] = Field(default_factory=dict)
     """This model's trainer settings over the top-level `trainer` section (e.g. {lr: 1e-4, seed: 1})."""
+    adapter: AdapterConfig | None = None
+    """Train a LoRA adapter (peft) instead of every parameter: only its parameters get gradients and optimiser
+    state, checkpoints and published versions hold the adapter alone (see `publish`). None: full training."""
 
 
 class RuntimeConfig(Section):
@@ -340,7 +364,13 @@ class JetConfig(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> JetConfig:
         for i, m in enumerate(self.models):
-            self._merged_trainer(m, f"models[{i}].trainer")  # validates the override's keys, types and ranges
+            tc = self._merged_trainer(m, f"models[{i}].trainer")  # validates the override's keys, types and ranges
+            if m.adapter is not None and m.adapter.publish == "adapter" and m.backend == "vllm":
+                raise problem(f"models[{i}].adapter.publish", "the vllm backend loads merged versions only "
+                                                              "(adapter.publish: merged)")
+            if m.adapter is not None and tc.backend == "deepspeed":
+                raise problem(f"models[{i}].adapter", "the deepspeed trainer backend does not train adapters yet; "
+                                                      "use trainer.backend: torch, or full training")
         for i, task in enumerate(self.tasks):
             if task.group_size < self.trainer.min_group_size:
                 raise problem(f"tasks[{i}].group_size",

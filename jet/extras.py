@@ -19,7 +19,7 @@ from jet.errors import ConfigError
 # extra -> the import names it provides that a role needs
 EXTRAS: dict[str, tuple[str, ...]] = {
     "infer": ("torch", "transformers", "safetensors"),
-    "train": ("torch", "transformers", "safetensors", "matplotlib"),
+    "train": ("torch", "transformers", "safetensors", "matplotlib", "peft"),
     "study": ("optuna", "scipy", "numpy", "matplotlib"),
     "dash": ("prometheus_client",),
     "all": ("torch", "transformers", "safetensors", "matplotlib", "optuna", "scipy", "numpy", "prometheus_client"),

@@ -56,6 +56,11 @@ class Keys:
     def weights(self, model: str) -> str:
         return f"{self.prefix}weights:{check_name('model', model)}"
 
+    def weight_blobs(self, model: str) -> str:
+        """Stream of the files of small weight versions (LoRA adapters), chunked, for inference workers that
+        share no folder with the trainer (`jet.queues.blobs`); the announcement on `weights` points into it."""
+        return f"{self.prefix}wblob:{check_name('model', model)}"
+
     def weights_rejected(self, model: str) -> str:
         """Hash `<consumer> <entry id>` -> reason: weight announcements an inference worker dead-lettered
         (it never reads them again, also after a restart)."""

@@ -294,7 +294,9 @@ def _family(template: str) -> dict:
     return TEMPLATES[template]
 
 
-@click.group(cls=LazyGroup, lazy={"convert": ("jet.convert:cli", "Write a GGUF model file as a Hugging Face folder.")})
+@click.group(cls=LazyGroup, lazy={"convert": ("jet.convert:cli", "Write a GGUF model file as a Hugging Face folder."),
+                                   "merge": ("jet.adapters:merge_cli",
+                                             "Merge a trained LoRA adapter version into its base: a Hugging Face folder.")})
 def cli() -> None:
     """Build tiny local models and tokenizers; convert GGUF files."""
 

@@ -221,7 +221,10 @@ def file_sha256(path: str | Path) -> str:
 
 
 class WeightVersion(Message, frozen=True):
-    """New weights of `model` are on disk at `path` (a safetensors file or a folder holding one)."""
+    """New weights of `model` are on disk at `path` (a safetensors file or a folder holding one; a LoRA
+    adapter version is a folder of `jet.adapters` files). A small version also travels through Redis:
+    `blob` is the id of its first chunk on `wblob:<model>` and `blob_chunks` their count (`jet.queues.blobs`),
+    so a worker that cannot read `path` loads it from there."""
 
     KIND = "weights"
 
@@ -230,6 +233,8 @@ class WeightVersion(Message, frozen=True):
     path: str
     sha256: str  # hex digest of the safetensors file
     step: int = 0  # trainer step that produced them
+    blob: str = ""  # first entry id of the version's chunks on wblob:<model>; "" = on disk only
+    blob_chunks: int = 0
 
 
 Reward = float | dict[str, float]  # one number, or one per agent name

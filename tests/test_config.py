@@ -15,7 +15,7 @@ from jet.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = config.default_config_path()
-SECTIONS = (JetConfig, config.QueueConfig, config.ModelConfig, config.TaskConfig, config.RuntimeConfig,
+SECTIONS = (JetConfig, config.QueueConfig, config.ModelConfig, config.AdapterConfig, config.TaskConfig, config.RuntimeConfig,
             config.TrainerConfig)
 
 

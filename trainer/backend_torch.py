@@ -10,6 +10,13 @@ whole parameters, for publishing weights), and `save` / `load` of a
 checkpoint directory: model.safetensors, optimizer.safetensors, rng.safetensors
 and state.json. No pickle anywhere.
 
+With `adapter` (`models[].adapter`) the policy is the base wrapped in a LoRA
+adapter (`jet.trainer.adapter`): the optimiser holds the adapter's parameters
+only, a checkpoint holds adapter.safetensors instead of model.safetensors (the
+base is the model folder, unchanged), `full_module()` gives what a version
+publishes (the adapter alone, or the base with it merged in), and the KL
+reference is the base as loaded.
+
 The `deepspeed` backend (`jet.trainer.backend_deepspeed`) has the same
 interface and runs the same `jet.trainer.step.accumulate`.
 """
@@ -24,8 +31,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from jet.config import TrainerConfig
-from jet.trainer import optim
+from jet.config import AdapterConfig, TrainerConfig
+from jet.trainer import adapter as lora, optim
 from jet.trainer.batch import StepInputs
 from jet.trainer.packing import Row
 from jet.trainer.step import StepStats, accumulate
@@ -57,13 +64,17 @@ class TorchBackend:
     rank, world = 0, 1
     retryable = True  # a failed train_step leaves nothing behind: the next one zeroes the gradients first
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, device: str | None = None):
+    def __init__(self, model_path: str, cfg: TrainerConfig, device: str | None = None,
+                 adapter: AdapterConfig | None = None):
         self.cfg = cfg
         self.device = device or cfg.device
+        self.adapter = adapter
         self.model = load_policy(model_path, self.device)
         self.ref = frozen_copy(self.model) if cfg.kl_coef > 0 else None
-        self.optimizer = optim.make_adamw(self.model.parameters(), cfg)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if adapter is not None:
+            self.model = lora.wrap(self.model, adapter)
+        self.params = lora.trainable(self.model)
+        self.optimizer = optim.make_adamw(self.params, cfg)
 
     def train_step(self, rows: Sequence[Row | None], inputs: StepInputs, lr: float, pad_row: Row | None = None,
                    stop: Callable[[], bool] | None = None) -> StepStats:
@@ -81,23 +92,37 @@ class TorchBackend:
 
     @contextlib.contextmanager
     def full_module(self) -> Iterator[torch.nn.Module]:
-        yield self.model
+        if self.adapter is None:
+            yield self.model
+        else:
+            yield lora.AdapterOnly(self.model) if self.adapter.publish == "adapter" else lora.Merged(self.model)
 
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_model
 
-        save_model(self.model, str(folder / WEIGHTS_FILE))
+        if self.adapter is None:
+            save_model(self.model, str(folder / WEIGHTS_FILE))
+        else:
+            optim.save_tensors(lora.adapter_tensors(self.model), folder / lora.CHECKPOINT_FILE)
         tensors, groups = optim.optimizer_state(self.optimizer)
         optim.save_tensors(tensors, folder / "optimizer.safetensors")
         rng, rng_meta = optim.rng_state()
         optim.save_tensors(rng, folder / "rng.safetensors")
-        (folder / "backend.json").write_text(json.dumps({"param_groups": groups, "rng": rng_meta}))
+        adapter = None if self.adapter is None else self.adapter.model_dump(mode="json")
+        (folder / "backend.json").write_text(json.dumps({"param_groups": groups, "rng": rng_meta, "adapter": adapter}))
 
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_model
 
-        load_model(self.model, str(folder / WEIGHTS_FILE), device=str(self.device))
         meta = json.loads((folder / "backend.json").read_text())
+        mine = None if self.adapter is None else self.adapter.model_dump(mode="json")
+        if meta.get("adapter") != mine:
+            raise ValueError(f"checkpoint {folder} was written with adapter {meta.get('adapter')}, "
+                             f"this trainer has {mine} (models[].adapter)")
+        if self.adapter is None:
+            load_model(self.model, str(folder / WEIGHTS_FILE), device=str(self.device))
+        else:
+            lora.load_adapter_tensors(self.model, optim.load_tensors(folder / lora.CHECKPOINT_FILE))
         # load_state_dict moves each state tensor to its parameter's device (the step count stays on CPU)
         optim.load_optimizer_state(self.optimizer, optim.load_tensors(folder / "optimizer.safetensors"),
                                    meta["param_groups"])

@@ -15,6 +15,8 @@ reconnects run there. The synchronous training loop gets plain methods:
   (a trajectory the trainer cannot train on), atomically with its ack;
 - `publish(w)`: announces a WeightVersion on `weights:<model>` (dedup'd by
   its message id, so a retried publish is announced once);
+- `put_blob(version, folder, files, keep)`: a small version's files as chunks
+  on `wblob:<model>` (`jet.queues.blobs`), for workers without the run folder;
 - `latest_weights()`, `lag()`: the newest announcement; the group's lag;
 - `served_versions()`: the weight version each live inference worker of the
   model serves, from their heartbeats (None when Redis is unreachable).
@@ -37,6 +39,7 @@ import contextlib
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import anyio
@@ -45,7 +48,7 @@ import anyio.from_thread
 from jet.config import JetConfig
 from jet.errors import CodecError, ConnectError, QueueError
 from jet.keys import GROUP_TRAINER, Keys
-from jet.queues import codec, registry
+from jet.queues import blobs, codec, registry
 from jet.queues.connect import retry_forever, translated
 from jet.queues.consumer import Settings, consumer_name
 from jet.queues.messages import Commit, Dead, Delivery
@@ -137,6 +140,10 @@ class Link:
     def publish(self, w: WeightVersion) -> None:
         self.portal.call(self._publish, w)
 
+    def put_blob(self, version: int, folder: Path, files: Sequence[str], keep: int) -> tuple[str, int]:
+        """Append a version's files to `wblob:<model>`; (first entry id, chunks) for its announcement."""
+        return self.portal.call(self._put_blob, version, folder, list(files), keep)
+
     def latest_weights(self) -> WeightVersion | None:
         return self.portal.call(self._latest_weights)
 
@@ -183,6 +190,14 @@ class Link:
             await self.rt.settle([(d, Commit()) for d in held[i:i + ACK_CHUNK]])
         if known:  # acked after a restart, before they were read again
             await self.rt.ack_known(known)
+
+    async def _put_blob(self, version: int, folder: Path, files: list[str], keep: int) -> tuple[str, int]:
+        async def put():
+            with translated(self.url):
+                return await blobs.put(self.rt.client, self.keys, self.model, version, folder, files,
+                                       keep_versions=keep)
+
+        return await retry_forever(put, url=self.url, what="put weights in Redis")
 
     async def _publish(self, w: WeightVersion) -> None:
         await retry_forever(lambda: self.producer.send([w.to_fields()]), url=self.url, what="publish weights")

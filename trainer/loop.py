@@ -68,7 +68,10 @@ from typing import Callable
 
 import torch
 
-from jet.config import JetConfig, TrainerConfig, write_resolved
+from jet import adapters
+from jet.config import AdapterConfig, JetConfig, TrainerConfig, write_resolved
+from jet.errors import ConfigError
+from jet.queues import blobs
 from jet.runs import RunDir
 from jet.trainer.batch import mean_reward
 from jet.trainer.checkpoint import Checkpoints, die_at
@@ -82,7 +85,7 @@ from jet.trainer.metrics import Metrics
 from jet.trainer.optim import lr_at
 from jet.trainer.screen import Limits
 from jet.trainer.step import StepAbandoned
-from jet.trainer.weights import prune_weights, weights_dir, write_weights
+from jet.trainer.weights import prune_weights, weights_dir, write_version
 from jet.wire import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -117,7 +120,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
     # -- set-up: threads, ranks, seeds, the backend, the checkpoint to resume from
     if tc.threads and (device or tc.device) == "cpu":
         torch.set_num_threads(tc.threads)
-    comm, engine = make_backend(backend or tc.backend, cfg.model(model).path, tc, device)
+    comm, engine = make_backend(backend or tc.backend, cfg.model(model).path, tc, device, cfg.model(model).adapter)
     torch.manual_seed(tc.seed + comm.rank)
     random.seed(tc.seed + comm.rank)
     ckpts = Checkpoints(root, tc.keep_checkpoints, comm.barrier, comm.rank)
@@ -219,12 +222,15 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
     return state
 
 
-def make_backend(kind: str, path: str, tc: TrainerConfig, device: str | None):
+def make_backend(kind: str, path: str, tc: TrainerConfig, device: str | None, adapter: AdapterConfig | None = None):
     if kind == "torch":
         from jet.trainer.backend_torch import TorchBackend
 
-        return Comm(), TorchBackend(path, tc, device)
+        return Comm(), TorchBackend(path, tc, device, adapter)
     if kind == "deepspeed":
+        if adapter is not None:
+            raise ConfigError("models[].adapter: the deepspeed trainer backend does not train adapters yet; "
+                              "use trainer.backend: torch (one process), or full training with deepspeed")
         from jet.trainer.backend_deepspeed import DeepSpeedBackend, init_distributed
 
         comm = init_distributed(device or tc.device)
@@ -275,10 +281,15 @@ def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str
     (`trainer.keep_weights`, never one a live inference worker serves: `jet.trainer.weights`)."""
     folder = weights_dir(Path(run_dir), model, state.version)
     with engine.full_module() as module:
-        sha = write_weights(module, folder, tc.dtype) if comm.leader else ""
+        sha = write_version(module, folder, tc.dtype) if comm.leader else ""
     if comm.leader:
+        blob, chunks = "", 0
+        adapter = getattr(engine, "adapter", None)
+        if adapter is not None and adapters.is_adapter(folder) and \
+                blobs.version_bytes(folder, adapters.FILES) <= adapter.via_redis_mb * 2**20:
+            blob, chunks = intake.link.put_blob(state.version, folder, adapters.FILES, tc.keep_weights)
         intake.link.publish(WeightVersion(model=model, version=state.version, path=str(folder.resolve()),
-                                          sha256=sha, step=state.step))
+                                          sha256=sha, step=state.step, blob=blob, blob_chunks=chunks))
         prune_weights(Path(run_dir), model, state.version, tc.keep_weights, intake.link.served_versions())
     comm.barrier()
 

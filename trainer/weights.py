@@ -20,6 +20,11 @@ folder to `.old-v<N>` first, so a published name is there whole or not at all;
 a follower that finds an announced folder gone skips to the newest
 (`jet.workers.inference.weights`). Leftover `.old-*` folders go at the next prune.
 
+A LoRA adapter model (`models[].adapter`, `publish: adapter`) publishes the adapter
+alone (`write_adapter`: `jet.adapters`' adapter_model.safetensors and
+adapter_config.json, the same durable order, the hash of the safetensors file);
+`write_version` picks by what the backend's `full_module()` gives.
+
 What it is not: a loader (inference workers load, checking the hash), and
 weights never go through Redis.
 """
@@ -82,6 +87,38 @@ def write_weights(module, folder: Path, dtype: str = "float32") -> str:
         os.replace(folder / "config.json.tmp", folder / "config.json")
     fsync_path(folder)
     return file_sha256(final)
+
+
+def write_adapter(adapter, folder: Path, dtype: str = "float32") -> str:
+    """Write an adapter version (`jet.trainer.adapter.AdapterOnly`) to `folder` durably, its tensors as
+    `dtype`; return the sha256 of its safetensors file."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from jet.adapters import ADAPTER_FILE, CONFIG_FILE
+
+    folder.mkdir(parents=True, exist_ok=True)
+    want = getattr(torch, dtype)
+    tensors = {k: t.to(want) if t.is_floating_point() else t for k, t in adapter.tensors().items()}
+    for name, write in ((CONFIG_FILE, lambda p: p.write_text(json.dumps(adapter.config(), indent=1))),
+                        (ADAPTER_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))):
+        tmp = folder / (name + ".tmp")
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, folder / name)  # the config first: a folder with the tensors has its config
+    fsync_path(folder)
+    return file_sha256(folder / ADAPTER_FILE)
+
+
+def write_version(module, folder: Path, dtype: str = "float32") -> str:
+    """What `full_module()` gave, as a version: an adapter alone (`write_adapter`), else full weights."""
+    from jet.trainer.adapter import AdapterOnly
+
+    if isinstance(module, AdapterOnly):
+        return write_adapter(module, folder, dtype)
+    return write_weights(module, folder, dtype)
 
 
 def published_versions(run_dir: Path, model: str) -> list[int]:

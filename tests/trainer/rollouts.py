@@ -59,9 +59,12 @@ async def stream_state(url: str, keys: Keys) -> dict:
         await r.aclose()
 
 
-def write_config(path: Path, run: str, model_dir: Path, runs_dir: Path, **trainer) -> Path:
+def write_config(path: Path, run: str, model_dir: Path, runs_dir: Path, adapter: dict | None = None,
+                 **trainer) -> Path:
+    """A trainer config of one model (with a LoRA `adapter` section when given) and these trainer settings."""
+    model = {"name": MODEL, "path": str(model_dir), **({"adapter": adapter} if adapter is not None else {})}
     data = {"run": run, "runs_dir": str(runs_dir), "queues": {"block_ms": 200, "lease_ms": 3000},
-            "models": [{"name": MODEL, "path": str(model_dir)}],
+            "models": [model],
             "trainer": {"lr": 1e-3, "batch_groups": 2, "micro_batch_tokens": 128, "max_staleness": 1000,
                         "publish_every": 1, "checkpoint_every": 2, "steps": 6, "group_timeout_s": 30,
                         "lease_s": 60, **trainer}}

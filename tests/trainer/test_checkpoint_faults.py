@@ -10,7 +10,8 @@ idempotency marker is set) must be in the ledger or in the newest whole
 checkpoint's `consumed` (which a resume acks and copies to the ledger).
 Then a trainer restarts on the same run and finishes: the ledger must hold
 every entry exactly once, every trainable trajectory trained exactly once,
-the acked set equal to the ledger's, nothing pending.
+the acked set equal to the ledger's, nothing pending. One case trains a LoRA
+adapter (`models[].adapter`), whose checkpoints hold the adapter alone.
 
 A second test is the deterministic repro of a ledger bug: one good group, a
 checkpoint, then four failed trajectories and SIGTERM: the stop's checkpoint
@@ -39,7 +40,7 @@ from tests.trainer.test_trainer_redis import ROOT, check_exactly_once, trainer_d
 
 POINTS = ["checkpoint:begin", "checkpoint:saved", "checkpoint:state", "checkpoint:renamed", "checkpoint:ledger",
           "checkpoint:written", "checkpoint:acked"]
-CASES = POINTS + ["checkpoint:renamed@2", "checkpoint:acked@2"]
+CASES = POINTS + ["checkpoint:renamed@2", "checkpoint:acked@2", "checkpoint:saved+adapter"]  # +adapter: LoRA
 
 
 def acked(url, keys, msg_ids: list[str]) -> set[str]:
@@ -69,8 +70,9 @@ def run_trainer(config: Path, url: str, log: Path, env_extra: dict, timeout: flo
 @pytest.mark.parametrize("point", CASES)
 def test_a_kill_at_any_checkpoint_point_loses_no_ack_from_the_ledger(point, tiny_model, redis_url, keys, tmp_path):
     rng = random.Random(hash(point) % 1000)
+    point, _, with_adapter = point.partition("+")
     config = write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=3,
-                          checkpoint_every=2, batch_groups=1)
+                          checkpoint_every=2, batch_groups=1, adapter={"r": 2} if with_adapter else None)
     cfg = load_file(config)
     log = tmp_path / "trainer.log"
     good = [t for g in range(3) for t in synthetic_group(f"g{g}", 2, rng)]
@@ -94,6 +96,9 @@ def test_a_kill_at_any_checkpoint_point_loses_no_ack_from_the_ledger(point, tiny
     assert run_trainer(config, redis_url, log, {}, 120) == 0, log.read_text()[-3000:]
     ledger = check_exactly_once(cfg, redis_url, keys, produced, {t.msg_id for t in good})
     assert acked(redis_url, keys, ids) == {c["msg"] for c in ledger} == set(ids)
+    if with_adapter:  # the checkpoints hold the adapter, not the model
+        newest = ckpts.path(*ckpts.whole()[-1])
+        assert (newest / "adapter.safetensors").is_file() and not (newest / "model.safetensors").exists()
 
 
 @pytest.mark.slow

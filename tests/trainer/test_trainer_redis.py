@@ -176,13 +176,15 @@ def test_max_staleness_zero_trains_only_the_current_version(tiny_model, redis_ur
 
 
 @pytest.mark.slow
-def test_published_weights_are_on_disk_hashed_and_announced(tiny_model, redis_url, keys, tmp_path):
+@pytest.mark.parametrize("adapter", [None, {"r": 2}], ids=["full", "lora"])
+def test_published_weights_are_on_disk_hashed_and_announced(tiny_model, redis_url, keys, tmp_path, adapter):
+    from jet import adapters
     from jet.trainer import loop
     from jet.workers.inference.hf import HFBackend
 
     rng = random.Random(4)
     cfg = load_file(write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=2,
-                                 publish_every=2))
+                                 publish_every=2, adapter=adapter))
     produce_sync(redis_url, keys, [t for g in range(4) for t in synthetic_group(f"g{g}", 2, rng)])
     loop.run(cfg, MODEL, redis_url, lambda: False)
 
@@ -200,7 +202,13 @@ def test_published_weights_are_on_disk_hashed_and_announced(tiny_model, redis_ur
     backend.load_weights(w.path, w.sha256, w.version)  # checks the hash and every tensor's name and shape
     assert backend.version == 1
     assert any(not (v == before[k]).all() for k, v in backend.model.state_dict().items())
-    assert json.loads((Path(w.path) / "config.json").read_text())["vocab_size"] == 512
+    if adapter is None:
+        assert json.loads((Path(w.path) / "config.json").read_text())["vocab_size"] == 512
+        assert (w.blob, w.blob_chunks) == ("", 0), "full weights never go through Redis"
+    else:  # the adapter alone, with peft's config
+        assert adapters.is_adapter(w.path) and not (Path(w.path) / "model.safetensors").exists()
+        assert json.loads((Path(w.path) / adapters.CONFIG_FILE).read_text())["r"] == 2
+        assert w.blob and w.blob_chunks == 2, "and its two files travel through Redis too"
 
 
 @pytest.mark.slow

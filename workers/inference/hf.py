@@ -15,6 +15,12 @@ share one prefix cache (`jet.workers.inference.prefix_cache`): a prompt that sta
 with tokens already computed (a group's shared prompt, an episode's earlier turns)
 prefills only the rest.
 
+A LoRA adapter version (a folder of `jet.adapters` files, what a trainer with
+`models[].adapter` publishes) is merged into the weights it updates: the base's
+own values of those weights are kept aside the first time (a copy of the adapted
+layers only), and each version sets them to base + its update, so versions never
+accumulate rounding. A full-weights version after adapter versions replaces all.
+
 What it is not: a server. No Redis; the sync API is not thread-safe, and is not
 to be mixed with the async one while async calls are in flight.
 
@@ -73,6 +79,7 @@ class HFBackend:
         self.version = 0
         self.max_inflight = max_inflight  # rows decoded together by the async API
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))  # emptied by every weight load
+        self.base_of_adapted: dict[str, torch.Tensor] = {}  # the base's own values of the weights an adapter updates
         self._engine = None
 
     @property
@@ -146,6 +153,10 @@ class HFBackend:
         import torch
         from safetensors.torch import load_file
 
+        from jet import adapters
+
+        if adapters.is_adapter(path):
+            return self._load_adapter(Path(path), sha256, version)
         file = Path(path)
         file = file / WEIGHTS_FILE if file.is_dir() else file
         if not file.is_file():
@@ -163,7 +174,35 @@ class HFBackend:
         with torch.no_grad():
             for name, tensor in state.items():
                 live[name].copy_(tensor)
+        self.base_of_adapted = {}  # full weights: no base to return to
         self.prefix_cache.clear()  # keys and values of the old weights
+        self.version = version if version is not None else version_in(file, default=self.version + 1)
+
+    def _load_adapter(self, folder: Path, sha256: str | None, version: int | None) -> None:
+        """An adapter version: the adapted weights set to the base's + its update; nothing changes unless
+        every tensor checks (hash, names, shapes)."""
+        import torch
+
+        from jet import adapters
+
+        file = folder / adapters.ADAPTER_FILE
+        if sha256 is not None and (digest := file_sha256(file)) != sha256.lower():
+            raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        live = self.model.state_dict()
+        try:
+            adapter = adapters.read(folder)
+            base = {name: self.base_of_adapted.get(name, tensor) for name, tensor in live.items()}
+            merged = adapters.merge_into(base, adapter)
+        except adapters.AdapterError as e:
+            raise WeightsError(str(e)) from e
+        with torch.no_grad():
+            for name in set(self.base_of_adapted) - set(merged):  # adapted before, not by this version
+                live[name].copy_(self.base_of_adapted.pop(name))
+            for name, tensor in merged.items():
+                if name not in self.base_of_adapted:
+                    self.base_of_adapted[name] = live[name].detach().clone()
+                live[name].copy_(tensor)
+        self.prefix_cache.clear()
         self.version = version if version is not None else version_in(file, default=self.version + 1)
 
     def _check_state(self, state: dict, live: dict, file: Path) -> None:

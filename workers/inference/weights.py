@@ -24,6 +24,17 @@ keep serving. Not rejected: an announcement whose folder is gone while a
 newer one is in the stream (the trainer's retention pruned it, e.g. under a
 follower that fell behind): it is skipped and the newer one loaded.
 
+Weights without a shared folder: an announcement that carries a `blob` (a small
+version, a LoRA adapter, whose files the trainer also put on `wblob:<model>`,
+`jet.queues.blobs`) is loaded from `path` when this worker can read it there
+(inside the allowed roots), else its chunks are fetched into a folder of this
+worker's own (a temporary folder; the version before the serving one is
+deleted) and loaded from it: then `path` is only a name, and the allowed-roots
+rule does not apply to it. Missing or corrupted chunks are a failed load
+(retried, then dead-lettered with the reason; the old version keeps serving);
+chunks trimmed away while a newer version is announced are skipped like a
+pruned folder.
+
 What it is not: a trainer-side publisher, or a cache of weights.
 """
 
@@ -31,6 +42,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -39,7 +52,7 @@ import anyio
 
 from jet.errors import CodecError, ConnectError, WeightsError
 from jet.keys import Keys
-from jet.queues import codec
+from jet.queues import blobs, codec
 from jet.queues.connect import translated
 from jet.wire import WeightVersion
 
@@ -63,6 +76,7 @@ class WeightFollower:
         self.roots = [Path(p).resolve() for p in roots]
         self.latest: WeightVersion | None = None  # the announcement serving now (None: the model's own weights)
         self._last_id = "0-0"
+        self._cache: Path | None = None  # where versions fetched from Redis go (made on first use)
 
     async def catch_up(self, backend) -> None:
         """Load the newest announcement already in the stream that this worker has not rejected."""
@@ -123,10 +137,33 @@ class WeightFollower:
         if not catching_up and w.version <= backend.version:
             return f"version {w.version} does not increase on version {backend.version}, which is serving"
         path = Path(w.path).resolve()
-        if not any(path.is_relative_to(root) for root in self.roots):
+        if not w.blob and not self._allowed(path):
             allowed = ", ".join(str(r) for r in self.roots)
             return f"path {w.path} ({path}) is outside the allowed weights folders: {allowed}"
         return None
+
+    def _allowed(self, path: Path) -> bool:
+        return any(path.resolve().is_relative_to(root) for root in self.roots)
+
+    async def _source(self, w: WeightVersion) -> str:
+        """Where to load `w` from: its path when this worker can read it there, else a folder of its own
+        filled from the version's chunks in Redis."""
+        if not w.blob or (self._allowed(Path(w.path)) and os.path.exists(w.path)):
+            return w.path
+        if self._cache is None:
+            self._cache = Path(tempfile.mkdtemp(prefix=f"jet-weights-{self.model}-"))
+        folder = self._cache / f"v{w.version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        with translated(self.url):
+            await blobs.fetch(self.r, self.keys, self.model, w.version, w.blob, w.blob_chunks, folder)
+        return str(folder)
+
+    def _forget_cached(self, keep: str) -> None:
+        """Delete fetched versions but the one serving (`keep`)."""
+        if self._cache is not None:
+            for old in self._cache.iterdir():
+                if str(old) != keep:
+                    shutil.rmtree(old, ignore_errors=True)
 
     async def _load(self, entry_id: str, fields, w: WeightVersion, backend) -> bool:
         """Load `w`, retrying transient failures; dead-letter it after the last. True if loaded.
@@ -134,10 +171,13 @@ class WeightFollower:
         A folder that is gone while a newer announcement exists was pruned by the trainer's
         retention (`jet.trainer.weights.prune_weights`): skipped, no verdict, the newer one follows."""
         for attempt in range(1, MAX_LOAD_TRIES + 1):
+            source = w.path
             try:
-                await backend.aload_weights(w.path, w.sha256, w.version)
-            except (WeightsError, OSError) as e:
-                if not os.path.exists(w.path) and await self._superseded(entry_id):
+                source = await self._source(w)
+                await backend.aload_weights(source, w.sha256, w.version)
+            except (WeightsError, OSError, ConnectError) as e:
+                gone = getattr(e, "gone", False) if w.blob else not os.path.exists(w.path)
+                if gone and await self._superseded(entry_id):
                     log.info("%s version %d: %s is gone (pruned) and a newer version is announced; skipping it",
                              w.model, w.version, w.path)
                     return False
@@ -149,7 +189,8 @@ class WeightFollower:
                 await anyio.sleep(RETRY_S * 2 ** (attempt - 1))
                 continue
             self.latest = w
-            log.info("%s: now serving weight version %d (step %d) from %s", w.model, w.version, w.step, w.path)
+            self._forget_cached(source)
+            log.info("%s: now serving weight version %d (step %d) from %s", w.model, w.version, w.step, source)
             return True
         return False
 

@@ -1,0 +1,141 @@
+"""LoRA adapter versions: the files, and merging one into its base, without peft.
+
+What it is: the format of an adapter version as the trainer publishes it (`models[].adapter` with
+`publish: adapter`): a folder holding `adapter_model.safetensors` (the LoRA A and B matrices under
+peft's names, `base_model.model.<layer>.lora_A.weight`) and `adapter_config.json` (peft's LoraConfig
+fields: `r`, `lora_alpha`, `target_modules`, ...), so `peft.PeftModel.from_pretrained(base, folder)`
+loads it too. `read(folder)` checks and loads one (`AdapterError` with the reason otherwise); `deltas`
+gives each adapted layer's update (alpha / r) B A, keyed by the base weight it adds to; `merge_into`
+checks them against a model's state and returns the merged weights. Inference workers apply versions
+this way (`jet.workers.inference.hf`), and `jet model merge` writes a base with an adapter merged in as
+a plain Hugging Face folder (transformers and vLLM load it).
+
+What it is not: a trainer (`jet.trainer.adapter` wraps the policy with peft), and no pickle: safetensors
+and JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+FILES = (CONFIG_FILE, ADAPTER_FILE)  # what a version folder holds
+PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter version that cannot be applied; the message says why."""
+
+
+def is_adapter(folder: str | Path) -> bool:
+    return Path(folder).is_dir() and (Path(folder) / ADAPTER_FILE).is_file()
+
+
+@dataclass
+class Adapter:
+    tensors: dict  # peft name -> tensor
+    config: dict  # adapter_config.json
+
+    @property
+    def scale(self) -> float:
+        return float(self.config["lora_alpha"]) / int(self.config["r"])
+
+
+def read(folder: str | Path) -> Adapter:
+    """The adapter version in `folder` (its safetensors and config checked for form)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{folder / CONFIG_FILE}: unreadable adapter config: {e}") from e
+    if config.get("peft_type", "LORA") != "LORA" or not isinstance(config.get("r"), int) or config["r"] < 1 \
+            or not isinstance(config.get("lora_alpha"), (int, float)):
+        raise AdapterError(f"{folder / CONFIG_FILE}: not a LoRA config with integer r >= 1 and a lora_alpha")
+    if config.get("use_rslora") or config.get("use_dora") or config.get("fan_in_fan_out"):
+        raise AdapterError(f"{folder / CONFIG_FILE}: rsLoRA, DoRA and fan_in_fan_out adapters are not supported")
+    try:
+        tensors = load_file(str(folder / ADAPTER_FILE), device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+        raise AdapterError(f"{folder / ADAPTER_FILE} is not a readable safetensors file: {type(e).__name__}: {e}") from e
+    return Adapter(tensors, config)
+
+
+def deltas(adapter: Adapter) -> dict:
+    """Base weight name -> its update (alpha / r) B A, in float32."""
+    import torch
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in adapter.tensors.items():
+        layer, sep, rest = name.removeprefix(PREFIX).rpartition(".lora_")
+        if not sep or rest not in ("A.weight", "B.weight"):
+            raise AdapterError(f"unexpected adapter tensor {name!r} (expected <layer>.lora_A.weight / lora_B.weight)")
+        pairs.setdefault(layer, {})[rest[0]] = tensor
+    out = {}
+    for layer, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter layer {layer!r} lacks its lora_{'A' if 'B' in ab else 'B'} matrix")
+        a, b = ab["A"].float(), ab["B"].float()
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise AdapterError(f"adapter layer {layer!r}: A {tuple(a.shape)} and B {tuple(b.shape)} do not compose")
+        out[f"{layer}.weight"] = (b @ a) * adapter.scale
+    return out
+
+
+def merge_into(base: dict, adapter: Adapter) -> dict:
+    """The weights of `base` (name -> tensor, unchanged) that `adapter` updates, merged (base's dtype)."""
+    merged = {}
+    for name, delta in deltas(adapter).items():
+        if name not in base:
+            raise AdapterError(f"the adapter updates {name!r}, which the model does not have")
+        if tuple(base[name].shape) != tuple(delta.shape):
+            raise AdapterError(f"the adapter's update of {name!r} is {tuple(delta.shape)}, "
+                               f"the model's weight {tuple(base[name].shape)}")
+        merged[name] = (base[name].float() + delta.to(base[name].device)).to(base[name].dtype)
+    return merged
+
+
+def merge_folder(base_path: str | Path, adapter_folder: str | Path, out: str | Path) -> Path:
+    """Write `base_path` (a Hugging Face model folder) with the adapter version in `adapter_folder` merged in,
+    as a Hugging Face folder at `out` (config, safetensors weights, the base's tokenizer files)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    adapter = read(adapter_folder)
+    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    live = model.state_dict()
+    merged = merge_into(live, adapter)
+    with torch.no_grad():
+        for name, tensor in merged.items():
+            live[name].copy_(tensor)
+    out = Path(out)
+    model.save_pretrained(str(out))
+    for f in Path(base_path).iterdir():  # tokenizer, chat template, generation config: what the model lacks
+        if f.is_file() and not (out / f.name).exists() and not f.name.endswith((".safetensors", ".bin")) \
+                and not f.name.endswith(".index.json"):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+@click.command("merge")
+@click.option("--base", "base_path", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The base model folder (models[].path).")
+@click.option("--adapter", "adapter_folder", required=True, type=click.Path(exists=True, file_okay=False),
+              help="An adapter version folder (runs/<run>/weights/<model>/v<N>).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
+def merge_cli(base_path: str, adapter_folder: str, out_dir: str) -> None:
+    """Merge a trained adapter version into its base: a plain Hugging Face folder."""
+    if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
+        raise click.ClickException(f"{out_dir} exists and is not empty")
+    try:
+        out = merge_folder(base_path, adapter_folder, out_dir)
+    except AdapterError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {out}: {base_path} with the adapter of {adapter_folder} merged in")
