@@ -233,7 +233,7 @@ def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: fl
     steps = [{"step": int(r["step"]), "t": r["time"] - t0, "reward": r["rollout/reward_mean"],
               "trajectories": int(r["rollout/trajectories"]), "tokens": float(r["train/tokens"]),
               "forward_tokens": float(r.get("train/forward_tokens", 0.0))} for r in rows_]
-    last = lines[-1]  # the trainer's outcome counts, cumulative (0s left out)
+    last = lines[-1] if lines else {}  # the trainer's outcome counts, cumulative (0s left out; none before a step)
     outcomes = {k.split("/", 1)[1]: int(v) for k, v in last.items() if k.count("/") == 1 and k.startswith("counts/")}
     decided = sum(v for k, v in outcomes.items() if k in FINAL)
     prefill = prefill_counts(run.logs)
