@@ -56,6 +56,8 @@ def main(log_level: str) -> None:
             "infer"),
         "gpu": ("jet.bench.gpu:cli", "Device check: generation and training tokens/s and MFU, Qwen2-0.5B shape.",
             "train"),
+        "adapter": ("jet.bench.adapter:cli", "LoRA adapter vs full training: step time, bytes per version and checkpoint.",
+                    "train"),
         "trl": ("jet.bench.trl:cli", "Jet vs TRL's GRPOTrainer: same model, task, settings and wall-clock budget.",
             "train"),
         "client": ("jet.bench.client:cli", "Env worker memory: idle and with episodes in flight (client nodes).",

@@ -1,0 +1,23 @@
+"""`jet bench adapter --quick` on the tiny model: both sides step, the adapter's version and checkpoint are
+the smaller, and a version goes through Redis and is loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+
+@pytest.mark.slow
+def test_bench_adapter_quick_reports_both_sides(tiny_model):
+    from jet.bench.adapter import cli
+
+    result = CliRunner().invoke(cli, ["--model", str(tiny_model), "--quick", "--r", "2", "--repeats", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert report["params"]["adapter"]["trainable"] < report["params"]["full"]["trainable"] / 5
+    assert len(report["step_s"]["full"]) == len(report["step_s"]["adapter"]) == 2
+    assert all(s > 0 for side in report["step_s"].values() for s in side)
+    assert 0 < report["version_bytes"]["fraction"] < 0.2 and 0 < report["checkpoint_bytes"]["fraction"] < 0.2
+    assert [x["chunks"] for x in report["redis"]] == [2, 2] and all(x["fetch_and_load_s"] > 0 for x in report["redis"])
