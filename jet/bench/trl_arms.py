@@ -75,7 +75,7 @@ class Shared:
 # training row (the agent reads it), "-": no such setting on that side (its meaning is said in UNMATCHED).
 MAPPING = [
     ("group_size", "tasks[0].group_size", "num_generations"),
-    ("batch_groups", "trainer.batch_groups", "per_device_train_batch_size / num_generations"),
+    ("batch_groups", "trainer.batch_groups", "per_device_train_batch_size * steps_per_generation / num_generations"),
     ("lr", "trainer.lr", "learning_rate"),
     ("adam_betas", "trainer.adam_betas", "(adam_beta1, adam_beta2)"),
     ("adam_eps", "trainer.adam_eps", "adam_epsilon"),

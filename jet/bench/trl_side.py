@@ -33,10 +33,12 @@ import shutil
 import time
 from pathlib import Path
 
-# One optimiser step per generation batch, on-policy: per_device_train_batch_size = groups x group size,
-# no gradient accumulation, num_iterations 1. With one process and no accumulation, "bnpo" (sum over
-# the batch's completion tokens / their count) and "dapo" (the same over the whole generation batch)
-# are both Jet's token_mean; "dapo" stays equal to it if accumulation is ever added, so it is the one.
+# One optimiser step per generation batch, on-policy (num_iterations 1): the generation batch is
+# groups x group size completions, trained one group per micro-batch (per_device_train_batch_size = group
+# size, gradient_accumulation_steps = steps_per_generation = groups), as Jet's trainer splits a step into
+# micro-batches: the whole batch in one forward does not fit in 24 GB on the multi-turn task (TRL's
+# process was OOM-killed at 23.8 GB resident). "dapo" divides each micro-batch's completion-token sum by
+# the token count of the whole generation batch, so the accumulated gradient is Jet's token_mean.
 LOSS_TYPE = "dapo"
 ENV_TOKENS_PER_TURN = 64  # room for one environment message in TRL's whole-episode completion budget
 
@@ -58,7 +60,7 @@ def grpo_config(s: dict, out: str, generation: str = "generate"):
         learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=s["adam_betas"][0], adam_beta2=s["adam_betas"][1], adam_epsilon=s["adam_eps"],
         weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"], optim="adamw_torch",
-        per_device_train_batch_size=G * B, gradient_accumulation_steps=1, num_generations=G,
+        per_device_train_batch_size=G, gradient_accumulation_steps=B, steps_per_generation=B, num_generations=G,
         num_iterations=1, max_completion_length=completion_budget(s), temperature=s["temperature"],
         top_p=s["top_p"], top_k=0, beta=0.0, epsilon=s["clip_eps"], loss_type=LOSS_TYPE, scale_rewards="group",
         mask_truncated_completions=False, max_steps=1_000_000, logging_steps=1, save_strategy="no",

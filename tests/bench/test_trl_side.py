@@ -33,12 +33,12 @@ def jet_value(cfg: dict, rows: list[dict], path: str):
 
 
 def trl_value(g, attr: str):
-    if attr == "per_device_train_batch_size / num_generations":
-        return g.per_device_train_batch_size // g.num_generations
+    if attr == "per_device_train_batch_size * steps_per_generation / num_generations":
+        return g.per_device_train_batch_size * g.steps_per_generation // g.num_generations
     if attr == "(adam_beta1, adam_beta2)":
         return [g.adam_beta1, g.adam_beta2]
     if attr == "loss_type":
-        return {LOSS_TYPE: "token_mean"}[g.loss_type]  # dapo over one process without accumulation
+        return {LOSS_TYPE: "token_mean"}[g.loss_type]  # dapo: normalised by the whole generation batch
     return getattr(g, attr)
 
 
@@ -60,7 +60,10 @@ def test_the_grpo_config_holds_what_the_jet_config_holds(tmp_path):
             checked += 1
     assert checked == len(MAPPING) - 1
     assert g.max_completion_length == completion_budget(s.as_dict()) >= s.max_tokens * s.max_turns
-    assert (g.beta, g.num_iterations, g.gradient_accumulation_steps) == (0.0, 1, 1)
+    assert (g.beta, g.num_iterations) == (0.0, 1)
+    # one group per micro-batch, one optimiser step per generation batch
+    assert g.per_device_train_batch_size == g.num_generations
+    assert g.gradient_accumulation_steps == g.steps_per_generation == s.batch_groups
     flat = jet_config(s, "jet-flat", "/m", rows_file, tmp_path, max_staleness=1)
     assert flat["tasks"][0]["merge"] == "none" and flat["trainer"]["prefix_trees"] is False
     assert cfg["tasks"][0]["merge"] == "exact" and cfg["trainer"]["prefix_trees"] is True
