@@ -68,25 +68,28 @@ def read(folder: str | Path) -> Adapter:
     return Adapter(tensors, config)
 
 
-def deltas(adapter: Adapter) -> dict:
-    """Base weight name -> its update (alpha / r) B A, in float32."""
-    import torch
-
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+def pairs(adapter: Adapter) -> dict:
+    """Adapted layer (module name, e.g. `model.layers.0.self_attn.q_proj`) -> its (A [r, in], B [out, r])."""
+    found: dict[str, dict] = {}
     for name, tensor in adapter.tensors.items():
         layer, sep, rest = name.removeprefix(PREFIX).rpartition(".lora_")
         if not sep or rest not in ("A.weight", "B.weight"):
             raise AdapterError(f"unexpected adapter tensor {name!r} (expected <layer>.lora_A.weight / lora_B.weight)")
-        pairs.setdefault(layer, {})[rest[0]] = tensor
+        found.setdefault(layer, {})[rest[0]] = tensor
     out = {}
-    for layer, ab in sorted(pairs.items()):
+    for layer, ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter layer {layer!r} lacks its lora_{'A' if 'B' in ab else 'B'} matrix")
-        a, b = ab["A"].float(), ab["B"].float()
+        a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise AdapterError(f"adapter layer {layer!r}: A {tuple(a.shape)} and B {tuple(b.shape)} do not compose")
-        out[f"{layer}.weight"] = (b @ a) * adapter.scale
+        out[layer] = (a, b)
     return out
+
+
+def deltas(adapter: Adapter) -> dict:
+    """Base weight name -> its update (alpha / r) B A, in float32."""
+    return {f"{layer}.weight": (b.float() @ a.float()) * adapter.scale for layer, (a, b) in pairs(adapter).items()}
 
 
 def merge_into(base: dict, adapter: Adapter) -> dict:

@@ -134,8 +134,12 @@ class AdapterConfig(Section):
     linear layer but the output head: for Llama-like models the 7 attention and MLP projections)."""
     publish: Literal["adapter", "merged"] = "adapter"
     """What a weight version holds: 'adapter' (the adapter alone, ~1/28 of SmolLM2-135M at r 16 on every
-    projection; hf inference workers merge it into their copy of the base) or 'merged' (the full weights
-    with the adapter merged in, as full training publishes: what the vllm backend loads)."""
+    projection; hf inference workers merge it into their copy of the base, vllm ones load it as a LoRA at run
+    time) or 'merged' (the full weights with the adapter merged in, as full training publishes)."""
+    share_base: bool = True
+    """Served by one inference worker together with the other models of this config that train an adapter of
+    the same base (same `path`, `backend`, `device`, `dtype`, `publish: adapter`): one copy of the base,
+    each model's adapter added to its own rows (`serving_groups`); false: a worker of its own."""
     via_redis_mb: NonNegativeFloat = 64.0
     """An adapter version at most this size also travels through Redis (chunked, checksummed, the newest
     `trainer.keep_weights` versions kept), so an inference worker that shares no folder with the trainer
@@ -365,12 +369,6 @@ class JetConfig(Section):
     def _cross_checks(self) -> JetConfig:
         for i, m in enumerate(self.models):
             tc = self._merged_trainer(m, f"models[{i}].trainer")  # validates the override's keys, types and ranges
-            if m.adapter is not None and m.adapter.publish == "adapter" and m.backend == "vllm":
-                raise problem(f"models[{i}].adapter.publish", "the vllm backend loads merged versions only "
-                                                              "(adapter.publish: merged)")
-            if m.adapter is not None and tc.backend == "deepspeed":
-                raise problem(f"models[{i}].adapter", "the deepspeed trainer backend does not train adapters yet; "
-                                                      "use trainer.backend: torch, or full training")
         for i, task in enumerate(self.tasks):
             if task.group_size < self.trainer.min_group_size:
                 raise problem(f"tasks[{i}].group_size",
@@ -404,6 +402,18 @@ class JetConfig(Section):
         except ValidationError as err:
             e = configlib.translate(err, TrainerConfig, path)
             raise problem(e.key, e.reason) from None
+
+    def serving_groups(self) -> list[list[str]]:
+        """The models each inference worker serves, in config order: models that train an adapter of one base
+        (same path, backend, device and dtype; `adapter.publish: adapter`; `adapter.share_base`) together,
+        every other model alone."""
+        groups: dict[object, list[str]] = {}
+        for m in self.models:
+            a = m.adapter
+            shared = a is not None and a.share_base and a.publish == "adapter"
+            key = ("base", m.path, m.backend, m.device, m.dtype) if shared else ("alone", m.name)
+            groups.setdefault(key, []).append(m.name)
+        return list(groups.values())
 
     def task(self, name: str) -> TaskConfig:
         """The task called `name` (KeyError if none)."""

@@ -13,9 +13,11 @@ results, a normal interval for fractional ones), and with `--json` also each row
 order, so two evaluations of one task can be compared row by row (a paired test, as `jet bench trl`
 does).
 
-A published version holds only `model.safetensors` and `config.json`; its tokenizer and
-generation settings come from the model the run trained (`runs/<run>/config.resolved.yaml`), and
-its tensors are loaded as an inference worker loads them (`jet.workers.inference.hf`).
+A published version holds only `model.safetensors` and `config.json`, or, for a model training an
+adapter, `adapter_model.safetensors` and `adapter_config.json` (`jet.adapters`); its base, tokenizer
+and generation settings come from the model the run trained (`runs/<run>/config.resolved.yaml`), and
+its tensors are loaded as an inference worker loads them (`jet.workers.inference.hf`: an adapter is
+merged into the base).
 
 What it is not: an agent run through the swarm (no gateway, no Redis): each turn's prompt is the
 dialogue so far re-rendered by the tokenizer's template; agents of arbitrary code are evaluated by
@@ -32,6 +34,7 @@ from typing import Any
 
 import click
 
+from jet.adapters import is_adapter
 from jet.errors import ConfigError
 from jet.runs import RunDir, weight_version_of
 from jet.wire import WEIGHTS_FILE
@@ -61,10 +64,10 @@ def task_module(name: str) -> Any:
 
 
 def published_version(path: Path) -> tuple[Path, str, int] | None:
-    """(run folder, model name, version) when `path` is `<run>/weights/<model>/v<N>` with its weights,
-    else None."""
+    """(run folder, model name, version) when `path` is `<run>/weights/<model>/v<N>` with its weights
+    (full, or an adapter version), else None."""
     found = weight_version_of(path)
-    if found is None or not (path / WEIGHTS_FILE).is_file():
+    if found is None or not ((path / WEIGHTS_FILE).is_file() or is_adapter(path)):
         return None
     run, model, version = found
     return run.root, model, version

@@ -436,6 +436,10 @@ def test_team_and_cocktail_configs_load():
     assert [(m.name, m.trainable) for m in team.models] == [("proposer", True), ("solver", True)]
     assert team.trainer_of("proposer").seed != team.trainer_of("solver").seed
     assert team.tasks[0].workflow == "jet.tasks.propose:workflow" and team.tasks[0].dataset == "propose"
+    lora = load_file(REPO / "configs" / "team-lora.yaml")
+    assert [m.name for m in lora.models] == [m.name for m in team.models] and lora.tasks == team.tasks
+    assert lora.serving_groups() == [["proposer", "solver"]], "one inference worker for the team"
+    assert all(m.adapter is not None and m.path == lora.models[0].path for m in lora.models)
     cocktail = load_file(REPO / "configs" / "cocktail.yaml")
     assert {t.name: t.weight for t in cocktail.tasks} == {"guess": 3.0, "arith": 1.0}
     assert cocktail.trainer.mix_wait_s > 0

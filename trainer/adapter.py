@@ -33,7 +33,8 @@ def lora_config(cfg: AdapterConfig):
 
 
 def wrap(model: torch.nn.Module, cfg: AdapterConfig) -> torch.nn.Module:
-    """`model` with a fresh LoRA adapter; base parameters frozen. Eval mode as the policy is (no dropout),
+    """`model` with a fresh LoRA adapter (A drawn from torch's generator: the backends seed it with trainer.seed
+    first); base parameters frozen. Eval mode as the policy is (no dropout),
     except the adapter's own dropout when `cfg.dropout` > 0."""
     from peft import get_peft_model
 

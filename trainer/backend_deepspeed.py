@@ -19,6 +19,14 @@ and the reported norm is `get_global_grad_norm()` (before clipping).
 Checkpoints are DeepSpeed's own (`save_checkpoint`, one shard per rank, which
 pickles: the one exception to "no pickle on disk", confined to the run's
 checkpoint folder) plus this rank's RNG state as safetensors.
+
+With `adapter` (`models[].adapter`) the policy is wrapped in a LoRA adapter
+before DeepSpeed sees it (`jet.trainer.adapter`, as the torch backend does): the
+optimiser, and so ZeRO's partitioned state, holds the adapter's parameters only;
+checkpoints leave the frozen base out (`exclude_frozen_parameters`) and record
+the adapter's settings (`backend.json`: a checkpoint of another adapter shape,
+or of full training, is refused with the reason); `full_module` gives what the
+torch backend publishes (the adapter alone, or merged).
 """
 
 from __future__ import annotations
@@ -32,8 +40,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from jet.config import TrainerConfig
-from jet.trainer import optim
+from jet.config import AdapterConfig, TrainerConfig
+from jet.trainer import adapter as lora, optim
 from jet.trainer.backend_torch import frozen_copy, load_policy
 from jet.trainer.batch import StepInputs
 from jet.trainer.dist import Comm
@@ -71,7 +79,8 @@ def ds_config(cfg: TrainerConfig, world: int) -> dict:
 
 
 class DeepSpeedBackend:
-    def __init__(self, model_path: str, cfg: TrainerConfig, comm: Comm, device: str | None = None):
+    def __init__(self, model_path: str, cfg: TrainerConfig, comm: Comm, device: str | None = None,
+                 adapter: AdapterConfig | None = None):
         import deepspeed
 
         self.cfg, self.comm = cfg, comm
@@ -84,7 +93,11 @@ class DeepSpeedBackend:
         torch.manual_seed(cfg.seed)
         model = load_policy(model_path, device)
         self.ref = frozen_copy(model) if cfg.kl_coef > 0 else None
-        optimizer = optim.make_adamw(model.parameters(), cfg)
+        self.adapter = adapter
+        if adapter is not None:
+            torch.manual_seed(cfg.seed)  # the adapter's initial A: the same on every rank, and as the torch backend's
+            model = lora.wrap(model, adapter)
+        optimizer = optim.make_adamw(lora.trainable(model), cfg)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=ds_config(cfg, self.world))
         self.engine.eval()  # dropout off, as in the torch backend and on the inference side
@@ -112,23 +125,35 @@ class DeepSpeedBackend:
     @contextlib.contextmanager
     def full_module(self) -> Iterator[torch.nn.Module]:
         """The module with whole parameters (gathered on every rank under ZeRO-3)."""
+        published = self.model if self.adapter is None else \
+            lora.AdapterOnly(self.model) if self.adapter.publish == "adapter" else lora.Merged(self.model)
         if self.cfg.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-                yield self.model
+                yield published
         else:
-            yield self.model
+            yield published
+
+    def _adapter_meta(self) -> dict | None:
+        return None if self.adapter is None else self.adapter.model_dump(mode="json")
 
     def save(self, folder: Path) -> None:
-        self.engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+        self.engine.save_checkpoint(str(folder), tag=TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.adapter is not None)
         rng, meta = optim.rng_state()
         optim.save_tensors(rng, folder / f"rng-{self.rank}.safetensors")
         (folder / f"rng-{self.rank}.json").write_text(json.dumps(meta))
+        if self.rank == 0:
+            (folder / "backend.json").write_text(json.dumps({"adapter": self._adapter_meta()}))
 
     def load(self, folder: Path) -> None:
+        meta = json.loads((folder / "backend.json").read_text()) if (folder / "backend.json").is_file() else {}
+        if meta.get("adapter") != self._adapter_meta():
+            raise ValueError(f"checkpoint {folder} was written with adapter {meta.get('adapter')}, "
+                             f"this trainer has {self._adapter_meta()} (models[].adapter)")
         self.engine.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
-                                    load_lr_scheduler_states=False)
+                                    load_lr_scheduler_states=False, load_module_strict=self.adapter is None)
         rng = folder / f"rng-{self.rank}.safetensors"
         if rng.is_file():
             optim.set_rng_state(optim.load_tensors(rng), json.loads((folder / f"rng-{self.rank}.json").read_text()))

@@ -72,6 +72,7 @@ class TorchBackend:
         self.model = load_policy(model_path, self.device)
         self.ref = frozen_copy(self.model) if cfg.kl_coef > 0 else None
         if adapter is not None:
+            torch.manual_seed(cfg.seed)  # the adapter's initial A: from trainer.seed, as on the deepspeed backend
             self.model = lora.wrap(self.model, adapter)
         self.params = lora.trainable(self.model)
         self.optimizer = optim.make_adamw(self.params, cfg)

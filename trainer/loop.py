@@ -70,7 +70,6 @@ import torch
 
 from jet import adapters
 from jet.config import AdapterConfig, JetConfig, TrainerConfig, write_resolved
-from jet.errors import ConfigError
 from jet.queues import blobs
 from jet.runs import RunDir
 from jet.trainer.batch import mean_reward
@@ -228,13 +227,10 @@ def make_backend(kind: str, path: str, tc: TrainerConfig, device: str | None, ad
 
         return Comm(), TorchBackend(path, tc, device, adapter)
     if kind == "deepspeed":
-        if adapter is not None:
-            raise ConfigError("models[].adapter: the deepspeed trainer backend does not train adapters yet; "
-                              "use trainer.backend: torch (one process), or full training with deepspeed")
         from jet.trainer.backend_deepspeed import DeepSpeedBackend, init_distributed
 
         comm = init_distributed(device or tc.device)
-        return comm, DeepSpeedBackend(path, tc, comm, device)
+        return comm, DeepSpeedBackend(path, tc, comm, device, adapter)
     raise ValueError(f"unknown trainer backend {kind!r}; expected 'torch' or 'deepspeed'")
 
 

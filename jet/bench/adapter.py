@@ -13,6 +13,15 @@ Reported: parameter counts, step seconds per side per repeat with the mean ratio
 its 95% t interval, bytes per version and per checkpoint with their ratios, and the Redis path's
 seconds (put; fetch + load) per repeat.
 
+A team on one base (`--team N`, default 3): the resident memory of an inference backend serving N
+adapter models of one base (`HFBackend(slots=N)`, what `jet worker infer --model a --model b ...`
+loads) against one serving a single adapter model (merged, what a worker of one model loads) and
+against N such workers (today's layout without a shared base: their peaks summed). Each is a fresh
+process (`python -m jet.bench.adapter --child ...`) that loads the base and the adapters (its own
+copy of each, read from the version folder) and decodes the same requests per model (the prompt,
+requests and tokens of `--serve-*`), reporting its peak RSS (VmHWM) and decoding seconds; the
+sides alternate order over `--repeats`.
+
 What it is not: a learning benchmark (`jet bench trl` trains), nor a measure of a worker process's
 reaction time (the follower's XREAD block adds up to its wake-up; `tests/workers/inference/
 test_weights_redis.py` prints that on the tiny model).
@@ -60,7 +69,27 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
 
 
-def run(model: str, r: int, alpha: float, targets: str, p: dict, repeats: int, threads: int | None, say) -> dict:
+def adapter_version(model: str, adapter, p: dict, folder: Path, say) -> Path:
+    """An adapter version of `model` after one training step on the synthetic workload (for `--team-only`)."""
+    from jet.config import TrainerConfig
+    from jet.trainer.backend_torch import TorchBackend
+    from jet.trainer.guard import prepare
+    from jet.trainer.weights import write_version
+
+    say(f"an adapter of {model}: one training step")
+    cfg = TrainerConfig(lr=1e-3, micro_batch_tokens=p["micro_batch_tokens"])
+    b = TorchBackend(model, cfg, adapter=adapter)
+    groups = synthetic_groups(b.model.config.vocab_size, p["groups"], p["group_size"], p["prompt"], p["turns"],
+                              p["completion"], p["reply"])
+    inputs, rows = prepare(groups, cfg)
+    b.train_step(rows, inputs, lr=cfg.lr)
+    with b.full_module() as module:
+        write_version(module, folder)
+    return folder
+
+
+def run(model: str, r: int, alpha: float, targets: str, p: dict, repeats: int, threads: int | None, say,
+        team_n: int = 0, team_p: dict | None = None, team_only: bool = False) -> dict:
     import torch
 
     from jet.adapters import FILES
@@ -79,6 +108,11 @@ def run(model: str, r: int, alpha: float, targets: str, p: dict, repeats: int, t
     cfg = TrainerConfig(lr=1e-5, micro_batch_tokens=p["micro_batch_tokens"])
     adapter = AdapterConfig(r=r, alpha=alpha, target_modules="all-linear" if targets == "all-linear"
                             else [t.strip() for t in targets.split(",")])
+    if team_only:
+        with tempfile.TemporaryDirectory(prefix="jet-bench-adapter-") as tmp:
+            folder = adapter_version(model, adapter, p, Path(tmp) / "v1", say)
+            return {"model": model, "adapter": adapter.model_dump(mode="json"), "threads": torch.get_num_threads(),
+                    "team": team(model, folder, team_n, team_p, repeats, threads, say)}
     say(f"loading {model} twice: full training and an adapter (r {r}, alpha {alpha}, {targets})")
     sides = {"full": TorchBackend(model, cfg), "adapter": TorchBackend(model, cfg, adapter=adapter)}
     vocab = sides["full"].model.config.vocab_size
@@ -131,6 +165,8 @@ def run(model: str, r: int, alpha: float, targets: str, p: dict, repeats: int, t
 
             for version in range(1, repeats + 1):
                 redis_s.append(anyio.run(once, version))
+        del worker
+        team_report = team(model, tmp / "adapter" / "v1", team_n, team_p, repeats, threads, say) if team_n else None
     full, lora = written["full"], written["adapter"]
     return {
         "model": model, "adapter": adapter.model_dump(mode="json"), "workload": p, "threads": torch.get_num_threads(),
@@ -140,8 +176,79 @@ def run(model: str, r: int, alpha: float, targets: str, p: dict, repeats: int, t
                           "fraction": lora["version_bytes"] / full["version_bytes"]},
         "checkpoint_bytes": {"full": full["checkpoint_bytes"], "adapter": lora["checkpoint_bytes"],
                              "fraction": lora["checkpoint_bytes"] / full["checkpoint_bytes"]},
-        "redis": redis_s,
+        "redis": redis_s, "team": team_report,
     }
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM: of its own address space, which getrusage's ru_maxrss
+    is not: Linux carries that over exec from the parent that forked it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def serve_child(model: str, adapter_folder: str, slots: int, requests: int, prompt: int, tokens: int,
+                threads: int | None) -> dict:
+    """In a fresh process: load the base with `slots` adapter models (1: merged, as a one-model worker
+    does), decode `requests` requests per model, return peak RSS and seconds."""
+    import torch
+
+    from jet.workers.inference.backend import SamplingParams
+    from jet.workers.inference.hf import HFBackend
+
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    backend = HFBackend(model, slots=slots)
+    for slot in range(slots):
+        backend.load_weights(adapter_folder, None, 1, slot=slot)
+    loaded = time.perf_counter() - t0
+    rng = random.Random(0)
+    head = [rng.randrange(10, backend.vocab_size) for _ in range(prompt)]
+    prompts, params, which = [], [], []
+    for slot in range(slots):
+        for i in range(requests):
+            prompts.append(head + [rng.randrange(10, backend.vocab_size) for _ in range(8)])
+            params.append(SamplingParams(temperature=1.0, max_tokens=tokens, seed=1000 * slot + i))
+            which.append(slot)
+    t1 = time.perf_counter()
+    outs = backend.generate(prompts, params, which)
+    decode = time.perf_counter() - t1
+    assert all(o.finish_reason != "error" for o in outs), [o.error for o in outs if o.error]
+    return {"slots": slots, "peak_rss_mib": peak_rss_mib(),
+            "load_s": loaded, "decode_s": decode, "generated_tokens": sum(len(o.token_ids) for o in outs),
+            "lora_mib": backend.lora.nbytes() / 2**20 if backend.lora is not None else None}
+
+
+def team(model: str, adapter_folder: Path, n: int, p: dict, repeats: int, threads: int | None, say) -> dict:
+    """Peak RSS of one process serving `n` adapter models on one base, vs one serving one (fresh processes)."""
+    import json
+    import subprocess
+    import sys
+
+    from jet.bench.trl import mean_interval
+
+    def child(slots: int) -> dict:
+        argv = [sys.executable, "-m", "jet.bench.adapter", "--child", json.dumps(
+            {"model": model, "adapter_folder": str(adapter_folder), "slots": slots, "requests": p["requests"],
+             "prompt": p["prompt"], "tokens": p["tokens"], "threads": threads})]
+        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if out.returncode:
+            raise click.ClickException(f"the serving process ({slots} models) failed:\n{out.stderr[-3000:]}")
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        say(f"{slots} model(s) on one base: peak RSS {got['peak_rss_mib']:.0f} MiB, decoding {got['decode_s']:.1f} s")
+        return got
+
+    runs = {"one": [], "shared": []}
+    for k in range(repeats):
+        for side in (["one", "shared"] if k % 2 == 0 else ["shared", "one"]):
+            runs[side].append(child(1 if side == "one" else n))
+    ratios = [s["peak_rss_mib"] / o["peak_rss_mib"] for s, o in zip(runs["shared"], runs["one"])]
+    return {"models": n, "workload": p, "runs": runs, "rss_ratio_shared_over_one": mean_interval(ratios),
+            "ratios": ratios, "separate_workers_ratio": float(n),
+            "note": f"{n} workers of one model each hold {n} x the one-model figure (each its own base)"}
 
 
 def table(report: dict):
@@ -152,18 +259,31 @@ def table(report: dict):
     t.add_column("full", justify="right")
     t.add_column("adapter", justify="right")
     t.add_column("adapter / full", justify="right")
-    pa, pf = report["params"]["adapter"], report["params"]["full"]
-    t.add_row("trainable parameters", f"{pf['trainable']:,}", f"{pa['trainable']:,}", f"{pa['trainable'] / pf['trainable']:.4f}")
-    s = report["step_s"]
-    ci = report["step_ratio_adapter_over_full"]
-    interval = f" [{ci['ci95'][0]:.2f}, {ci['ci95'][1]:.2f}]" if ci["ci95"] else ""
-    t.add_row("step seconds (mean)", f"{sum(s['full']) / len(s['full']):.2f}", f"{sum(s['adapter']) / len(s['adapter']):.2f}",
-              f"{ci['mean']:.2f}{interval}")
-    for key, label in (("version_bytes", "bytes per published version"), ("checkpoint_bytes", "bytes per checkpoint")):
-        v = report[key]
-        t.add_row(label, f"{v['full']:,}", f"{v['adapter']:,}", f"1/{1 / v['fraction']:.1f}")
-    worst = max(x["fetch_and_load_s"] for x in report["redis"])
-    t.add_row("Redis: fetch + load of a version (worst)", "", f"{worst:.2f} s", "")
+    if "params" in report:  # not with --team-only
+        pa, pf = report["params"]["adapter"], report["params"]["full"]
+        t.add_row("trainable parameters", f"{pf['trainable']:,}", f"{pa['trainable']:,}",
+                  f"{pa['trainable'] / pf['trainable']:.4f}")
+        s = report["step_s"]
+        ci = report["step_ratio_adapter_over_full"]
+        interval = f" [{ci['ci95'][0]:.2f}, {ci['ci95'][1]:.2f}]" if ci["ci95"] else ""
+        t.add_row("step seconds (mean)", f"{sum(s['full']) / len(s['full']):.2f}",
+                  f"{sum(s['adapter']) / len(s['adapter']):.2f}", f"{ci['mean']:.2f}{interval}")
+        for key, label in (("version_bytes", "bytes per published version"), ("checkpoint_bytes", "bytes per checkpoint")):
+            v = report[key]
+            t.add_row(label, f"{v['full']:,}", f"{v['adapter']:,}", f"1/{1 / v['fraction']:.1f}")
+    if "redis" in report:
+        worst = max(x["fetch_and_load_s"] for x in report["redis"])
+        t.add_row("Redis: fetch + load of a version (worst)", "", f"{worst:.2f} s", "")
+    if report.get("team"):
+        tm = report["team"]
+        one = sum(r["peak_rss_mib"] for r in tm["runs"]["one"]) / len(tm["runs"]["one"])
+        shared = sum(r["peak_rss_mib"] for r in tm["runs"]["shared"]) / len(tm["runs"]["shared"])
+        ci = tm["rss_ratio_shared_over_one"]
+        interval = f" [{ci['ci95'][0]:.2f}, {ci['ci95'][1]:.2f}]" if ci["ci95"] else ""
+        t.add_row(f"peak RSS, 1 model | {tm['models']} on one base (MiB)", f"{one:,.0f}", f"{shared:,.0f}",
+                  f"{ci['mean']:.2f}{interval}")
+        t.add_row(f"peak RSS, {tm['models']} workers of one model (MiB)", f"{tm['models'] * one:,.0f}", "",
+                  f"{tm['models']:.2f}")
     return t
 
 
@@ -179,9 +299,19 @@ def table(report: dict):
 @click.option("--turns", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--repeats", type=click.IntRange(2), default=3, show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None, help="torch threads (default: torch's).")
+@click.option("--team", "team_n", type=click.IntRange(0), default=3, show_default=True,
+              help="Models of one base served by one backend, against one model (peak RSS); 0: skip.")
+@click.option("--team-only", is_flag=True, help="Only the team's memory (no training step times, bytes, Redis).")
+@click.option("--serve-requests", type=click.IntRange(1), default=8, show_default=True,
+              help="Team: requests decoded per model.")
+@click.option("--serve-prompt", type=click.IntRange(1), default=330, show_default=True,
+              help="Team: shared prompt tokens (plus 8 of each request's own).")
+@click.option("--serve-tokens", type=click.IntRange(1), default=16, show_default=True,
+              help="Team: tokens generated per request.")
 @click.option("--quick", is_flag=True, help="A small workload (tests).")
 @click.option("--json", "as_json", is_flag=True)
-def cli(model_spec, cache, rank, alpha, targets, groups, group_size, prompt, turns, repeats, threads, quick, as_json):
+def cli(model_spec, cache, rank, alpha, targets, groups, group_size, prompt, turns, repeats, threads, team_n, team_only,
+        serve_requests, serve_prompt, serve_tokens, quick, as_json):
     """A LoRA adapter against full training: step time, bytes per version and checkpoint, the Redis path."""
     say = progress(as_json)
     if model_spec is None:
@@ -190,7 +320,20 @@ def cli(model_spec, cache, rank, alpha, targets, groups, group_size, prompt, tur
         model_spec = str(default_model(Path(cache).expanduser()))
     p = {"groups": groups, "group_size": group_size, "prompt": prompt, "turns": turns, "completion": 12, "reply": 8,
          "micro_batch_tokens": 8192}
+    team_p = {"requests": serve_requests, "prompt": serve_prompt, "tokens": serve_tokens}
     if quick:
         p.update(groups=2, group_size=2, prompt=16, turns=2, completion=4, reply=2, micro_batch_tokens=256)
-    report = run(model_spec, rank, alpha, targets, p, repeats, threads, say)
+        team_p.update(requests=2, prompt=16, tokens=4)
+    if team_only and not team_n:
+        raise click.BadParameter("--team-only needs --team N > 0", param_hint="--team")
+    report = run(model_spec, rank, alpha, targets, p, repeats, threads, say, team_n, team_p, team_only)
     emit(report, as_json, table)
+
+
+if __name__ == "__main__":  # one serving process of `team`
+    import json
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--child":
+        raise SystemExit("usage: python -m jet.bench.adapter --child JSON (`jet bench adapter --team N` runs it)")
+    print(json.dumps(serve_child(**json.loads(sys.argv[2]))))

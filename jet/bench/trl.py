@@ -1,20 +1,22 @@
 """`jet bench trl`: Jet against TRL's GRPOTrainer on the same model, task, settings and wall-clock budget.
 
 What it is: the arms of `jet.bench.trl_arms` (`jet`: Jet as a user gets it; `jet-flat`: Jet with one
-training sample per LLM call; `trl`: TRL's GRPOTrainer), each trained for `--budget-s` seconds from its
-launch, `--repeats` times in alternating order (repeat 1: jet, jet-flat, trl; repeat 2: trl, jet-flat,
-jet; ...), so a machine that slows down during the bench weighs on every arm alike. Every setting the
-sides share comes from one `Shared` (`jet.bench.trl_arms`); what they cannot share is listed
-(`UNMATCHED`). Then the base model and every run's final weights are evaluated greedily on the same
-held-out rows (`jet.eval.evaluate`; multi-turn tasks play their dialogues).
+training sample per LLM call; `trl`: TRL's GRPOTrainer; `jet-lora`: `jet` training a LoRA adapter at
+`--lora-lr`), each trained for `--budget-s` seconds from its launch, `--repeats` times in alternating
+order (repeat 1: jet, jet-flat, trl; repeat 2: trl, jet-flat, jet; ...), so a machine that slows down
+during the bench weighs on every arm alike. Every setting the sides share comes from one `Shared`
+(`jet.bench.trl_arms`); what they cannot share is listed (`UNMATCHED`); jet-lora's adapter settings are
+Jet's alone (`Lora`). Then the base model and every run's final weights (jet-lora's: its adapter version
+on the base) are evaluated greedily on the same held-out rows (`jet.eval.evaluate`; multi-turn tasks
+play their dialogues).
 
 Reported: each run (its order, trajectories per minute, completion / forwarded / prefilled tokens per
 trajectory, reward curve, peak RSS, the load average while it ran, held-out result); per arm the means;
-the ratios jet/trl and jet/jet-flat of trajectories per minute per repeat, their mean and a 95% t
-interval over repeats; held-out results against the base and between arms with paired tests on the same
-rows (exact McNemar for 0/1 results, Wilcoxon signed-rank for fractional ones; per row the mean over
-repeats); the torch / transformers / trl versions of both sides. `--json` prints it all, `--out DIR`
-keeps the runs, logs, report.json and a PNG.
+the ratios jet/trl, jet/jet-flat, jet-lora/jet, ... of trajectories per minute per repeat, their mean
+and a 95% t interval over repeats; held-out results against the base and between arms with paired tests
+on the same rows (exact McNemar for 0/1 results, Wilcoxon signed-rank for fractional ones; per row the
+mean over repeats); the torch / transformers / trl versions of both sides. `--json` prints it all,
+`--out DIR` keeps the runs, logs, report.json and a PNG.
 
 What it is not: a study. The interval is over the repeats run here, on this machine.
 
@@ -35,7 +37,7 @@ from pathlib import Path
 import click
 
 from jet.bench import emit, progress
-from jet.bench.trl_arms import ARMS, MAPPING, Shared, run_arm, write_rows
+from jet.bench.trl_arms import ARMS, LORA_LR_FACTOR, MAPPING, Lora, Shared, run_arm, write_rows
 from jet.convert import SMOLLM2_WHEEL
 
 # ---- statistics
@@ -153,7 +155,8 @@ def summarise(runs: list[dict], base: dict, arms: list[str]) -> dict:
     for a, rs in by_arm.items():
         arm_means[a]["heldout"] = mean_interval([r["eval"]["accuracy"] for r in rs])
     ratios = {}
-    for num, den in [("jet", "trl"), ("jet", "jet-flat"), ("jet-flat", "trl")]:
+    for num, den in [("jet", "trl"), ("jet", "jet-flat"), ("jet-flat", "trl"), ("jet-lora", "jet"),
+                     ("jet-lora", "trl")]:
         if num in by_arm and den in by_arm:
             pairs = {k: [a[k] / b[k] for a, b in zip(by_arm[num], by_arm[den])
                          if a.get(k) is not None and b.get(k)]
@@ -163,7 +166,7 @@ def summarise(runs: list[dict], base: dict, arms: list[str]) -> dict:
     per_row = {a: [sum(col) / len(col) for col in zip(*[r["eval"]["results"] for r in rs])]
                for a, rs in by_arm.items() if rs}
     tests = {f"{a}_vs_base": paired(base["results"], per_row[a]) for a in per_row}
-    for x, y in [("trl", "jet"), ("jet-flat", "jet"), ("trl", "jet-flat")]:
+    for x, y in [("trl", "jet"), ("jet-flat", "jet"), ("trl", "jet-flat"), ("jet", "jet-lora")]:
         if x in per_row and y in per_row:
             tests[f"{y}_vs_{x}"] = paired(per_row[x], per_row[y])
     return {"arms": arm_means, "ratios": ratios, "paired": tests}
@@ -176,7 +179,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    colours = {"jet": "C0", "jet-flat": "C2", "trl": "C1"}
+    colours = {"jet": "C0", "jet-flat": "C2", "trl": "C1", "jet-lora": "C3"}
     for run in report["runs"]:
         if not run["reward_curve"]:
             continue
@@ -234,6 +237,9 @@ def table(report: dict):
     lines += [f"run {r['repeat'] + 1}.{r['position'] + 1} {r['arm']}: {r['trajectories_per_min']:.1f} traj/min, "
               f"held-out {r['eval']['accuracy']:.3f}, load {r['load_mean']:.2f}" for r in report["runs"]]
     lines += [f"unmatched {k}: jet {j}; trl {r}" for k, (j, r) in report["unmatched"].items()]
+    if report.get("lora"):
+        lines.append(f"jet-lora: adapter r {report['lora']['r']}, alpha {report['lora']['alpha']:g} on every linear "
+                     f"layer, lr {report['lora']['lr']:g}")
     lines += [f"versions: {report['versions']}", f"threads: {report['threads']}", *report.get("skipped", [])]
     return Group(t, "\n".join(lines))
 
@@ -242,7 +248,7 @@ def table(report: dict):
 @click.option("--task", type=click.Choice(["add", "tally"]), default="add", show_default=True,
               help="A built-in task with a held-out split: add (one turn) or tally (four turns).")
 @click.option("--arms", default=None, help=f"Comma-separated, of {', '.join(ARMS)} (default: jet,trl for add, "
-                                           "all three for tally).")
+                                           "jet,jet-flat,trl for tally).")
 @click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
               help="Runs per arm, the order alternating from repeat to repeat.")
 @click.option("--model", "model_spec", default=None,
@@ -258,6 +264,12 @@ def table(report: dict):
               help="Completions per prompt (TRL's num_generations).")
 @click.option("--batch-groups", type=click.IntRange(1), default=4, show_default=True, help="Groups per optimiser step.")
 @click.option("--lr", type=float, default=2e-5, show_default=True, help="AdamW learning rate (constant).")
+@click.option("--lora-r", type=click.IntRange(1), default=16, show_default=True, help="The jet-lora arm's LoRA rank.")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=32.0, show_default=True,
+              help="The jet-lora arm's LoRA alpha (updates scaled by alpha / r).")
+@click.option("--lora-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help=f"The jet-lora arm's learning rate (default: {LORA_LR_FACTOR:g}x --lr; an adapter needs a higher "
+                   "one than full training).")
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
               help="Completion tokens per model turn (default: the task's, 24 for add).")
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
@@ -273,7 +285,8 @@ def table(report: dict):
 @click.option("--out", "out_dir", default=None, help="Keep runs, logs, report.json and reward.png here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def cli(task, arms, repeats, model_spec, cache, budget_s, device, seed, eval_n, group_size, batch_groups, lr,
-        max_tokens, temperature, max_staleness, jet_threads, trl_python, trl_generation, out_dir, as_json) -> None:
+        lora_r, lora_alpha, lora_lr, max_tokens, temperature, max_staleness, jet_threads, trl_python, trl_generation,
+        out_dir, as_json) -> None:
     """Jet against TRL's GRPOTrainer: same model, task, settings and wall-clock budget, repeated."""
     import tempfile
 
@@ -285,13 +298,15 @@ def cli(task, arms, repeats, model_spec, cache, budget_s, device, seed, eval_n, 
     model = model_spec or default_model(Path(cache).expanduser())
     model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().is_dir() else model
     module = jet.eval.task_module(task)
-    chosen = [a.strip() for a in arms.split(",")] if arms else (["jet", "trl"] if task == "add" else list(ARMS))
+    chosen = [a.strip() for a in arms.split(",")] if arms else (["jet", "trl"] if task == "add"
+                                                                else ["jet", "jet-flat", "trl"])
     unknown = [a for a in chosen if a not in ARMS]
     if unknown:
         raise click.BadParameter(f"unknown arm(s) {unknown}; expected some of {list(ARMS)}", param_hint="--arms")
     s = Shared(task=task, group_size=group_size, batch_groups=batch_groups, lr=lr, temperature=temperature,
                max_tokens=max_tokens or getattr(module, "MAX_TOKENS", 24), max_turns=getattr(module, "TURNS", 1),
                seed=seed, device=device)
+    lora = Lora(r=lora_r, alpha=lora_alpha, lr=lora_lr if lora_lr is not None else LORA_LR_FACTOR * lr)
     from jet.cli.up import cpu_count
 
     cores = cpu_count()  # the cores this process may use, as jet up counts them for its thread shares
@@ -306,13 +321,15 @@ def cli(task, arms, repeats, model_spec, cache, budget_s, device, seed, eval_n, 
     for repeat in range(repeats):
         for position, arm in enumerate(order_of(chosen, repeat)):
             run = run_arm(arm, s, model, rows, out / f"r{repeat + 1}-{arm}", budget_s, threads=threads,
-                          max_staleness=max_staleness, trl_python=python, generation=trl_generation, say=say)
+                          max_staleness=max_staleness, trl_python=python, generation=trl_generation, say=say,
+                          lora=lora)
             runs.append({"arm": arm, "repeat": repeat, "position": position, **run})
     runs.sort(key=lambda r: (r["repeat"], r["position"]))
     base = evaluate_all(model, runs, s, eval_n, say)
     versions = {"jet": versions_of(sys.executable), **({"trl": versions_of(python)} if python else {})}
     report = {"model": model, "task": task, "shared": s.as_dict(), "mapping": MAPPING, "budget_s": budget_s,
               "repeats": repeats, "arms": chosen, "max_staleness": max_staleness, "threads": threads,
+              "lora": lora.as_dict() if "jet-lora" in chosen else None,
               "trl_generation": trl_generation, "versions": versions, "runs": runs, "base": base,
               "summary": summarise(runs, base, chosen), "unmatched": UNMATCHED,
               "skipped": [f"trl arm skipped: {skipped}"] if skipped else []}

@@ -12,6 +12,8 @@ The arms (`ARMS`):
   the trainer and prefix reuse in the inference engine (the defaults);
 - `jet-flat`: the same run with one training sample per LLM call (`merge: none`, `prefix_trees: false`),
   how Agent Lightning and SkyRL train by default;
+- `jet-lora`: the `jet` run training a LoRA adapter (`models[0].adapter`, every linear layer) at its own
+  learning rate (`Lora`: Jet-only settings, so not in `Shared`); its published versions are adapter folders;
 - `trl`: TRL's GRPOTrainer (`jet.bench.trl_side`) in a subprocess of the TRL interpreter.
 
 `run_arm` runs one, stopped at the budget, and reports its steps, trajectories, tokens (completion,
@@ -37,12 +39,14 @@ from pathlib import Path
 
 import click
 
+from jet.adapters import is_adapter
 from jet.cli.feed import FINAL
 from jet.runs import RunDir, read_metrics
 from jet.wire import WEIGHTS_FILE
 
 RUN, MODEL = "bench-trl", "policy"
-ARMS = ("jet", "jet-flat", "trl")
+ARMS = ("jet", "jet-flat", "trl", "jet-lora")
+LORA_LR_FACTOR = 10.0  # the jet-lora arm's default lr: this times the shared (full-training) lr
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,21 @@ class Shared:
     loss: str = "token_mean"  # TRL's "dapo" (trl_side.LOSS_TYPE)
     seed: int = 0
     device: str = "cpu"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """The jet-lora arm's adapter (`jet.config.AdapterConfig`) and learning rate: Jet-only, TRL has no such arm."""
+
+    r: int = 16
+    alpha: float = 32.0
+    lr: float | None = None  # None: LORA_LR_FACTOR x the shared lr (an adapter needs a higher lr than full training)
+
+    def lr_for(self, s: Shared) -> float:
+        return self.lr if self.lr is not None else LORA_LR_FACTOR * s.lr
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -99,13 +118,19 @@ def write_rows(s: Shared, path: Path, n: int = 20_000) -> Path:
     return path
 
 
-def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_staleness: int) -> dict:
-    """The `jet up` config of a Jet arm (jet/config.py keys), from the shared settings only."""
+def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_staleness: int,
+               lora: Lora = Lora()) -> dict:
+    """The `jet up` config of a Jet arm (jet/config.py keys), from the shared settings only; jet-lora's model
+    also trains an adapter at its own lr (`lora`, the model's `trainer` override: the shared section stays)."""
     G, B = s.group_size, s.batch_groups
     flat = arm == "jet-flat"
+    policy = {"name": MODEL, "path": model, "device": s.device, "max_inflight": G * B}
+    if arm == "jet-lora":
+        policy.update(adapter={"r": lora.r, "alpha": lora.alpha, "target_modules": "all-linear"},
+                      trainer={"lr": lora.lr_for(s)})
     return {
         "run": RUN, "runs_dir": str(out / "runs"),
-        "models": [{"name": MODEL, "path": model, "device": s.device, "max_inflight": G * B}],
+        "models": [policy],
         "tasks": [{"name": s.task, "workflow": f"jet.tasks.{s.task}:workflow", "dataset": str(rows),
                    "group_size": G, "concurrency": G * B, "episode_timeout_s": 1200, "model": MODEL,
                    "merge": "none" if flat else "exact"}],
@@ -197,21 +222,21 @@ def tail(log: Path, n: int = 15) -> str:
 
 
 def run_arm(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, *, threads: dict,
-            max_staleness: int, trl_python: str | None, generation: str, say) -> dict:
+            max_staleness: int, trl_python: str | None, generation: str, say, lora: Lora = Lora()) -> dict:
     if arm == "trl":
         return run_trl(s, model, rows, out, budget_s, threads["trl"], trl_python, generation, say)
-    return run_jet(arm, s, model, rows, out, budget_s, threads["jet_per_process"], max_staleness, say)
+    return run_jet(arm, s, model, rows, out, budget_s, threads["jet_per_process"], max_staleness, say, lora)
 
 
 def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, threads: int,
-            max_staleness: int, say) -> dict:
+            max_staleness: int, say, lora: Lora = Lora()) -> dict:
     import yaml
 
     folder = out
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     cfg = folder / "config.yaml"
-    cfg.write_text(yaml.safe_dump(jet_config(s, arm, model, rows, folder, max_staleness), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(jet_config(s, arm, model, rows, folder, max_staleness, lora), sort_keys=False))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "JET_LOG_LEVEL": "INFO"}
     env.pop("JET_REDIS_URL", None)
     argv = [sys.executable, "-m", "jet.cli.main", "up", "--config", str(cfg), "--no-live", "--no-dash",
@@ -222,8 +247,8 @@ def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: fl
     run = RunDir(folder / "runs", RUN)
     lines = read_metrics(run.metrics(MODEL))
     rows_ = [r for r in lines if "rollout/reward_mean" in r]
-    versions = [run.weight_version(MODEL, v) for v in run.versions(MODEL)
-                if (run.weight_version(MODEL, v) / WEIGHTS_FILE).is_file()]
+    versions = [w for w in (run.weight_version(MODEL, v) for v in run.versions(MODEL))
+                if (w / WEIGHTS_FILE).is_file() or is_adapter(w)]  # full weights, or jet-lora's adapter folders
     if code != 0:
         raise click.ClickException(f"{arm}: jet up failed (exit {code}); {folder / 'up.log'}:\n"
                                    f"{tail(folder / 'up.log')}")

@@ -55,7 +55,8 @@ def roles_for(cfg: JetConfig, config_path: str, overrides: tuple[str, ...], env_
     """The commands `jet up` runs, one Child each (logs in the run's `logs/<name>.log`)."""
     sets = [x for o in overrides for x in ("--set", o)]
     role = lambda module, *args: python_module(module) + ["--config", config_path, *args] + sets  # noqa: E731
-    specs = [(f"infer-{m.name}", role("jet.workers.inference.worker", "--model", m.name), False) for m in cfg.models]
+    specs = [(infer_role(group), role("jet.workers.inference.worker", *[x for m in group for x in ("--model", m)]),
+              False) for group in cfg.serving_groups()]
     specs.append(("env", role("jet.workers.rollout.worker", "-n", str(env_n)), False))
     if has_trainer():
         specs += [(f"train-{m.name}", role("jet.trainer.cli", "--model", m.name), True)
@@ -64,6 +65,11 @@ def roles_for(cfg: JetConfig, config_path: str, overrides: tuple[str, ...], env_
     return [Child(name, argv, log=run.log(name) if run else None, required=req,
                   env=_thread_env(threads[name]) if name in threads else {})
             for name, argv, req in specs]
+
+
+def infer_role(models: list[str]) -> str:
+    """The role name of the inference worker serving `models` (several: adapters of one base)."""
+    return "infer-" + "+".join(models)
 
 
 def cpu_count() -> int:
@@ -82,7 +88,7 @@ def thread_shares(cfg: JetConfig, trainers: bool = True, cores: int | None = Non
     inference worker oversubscribe every core and both slow down (see docs/trainer.md, "CPU threads").
     $OMP_NUM_THREADS set for `jet up` wins over the share (a study runs each run on one thread)."""
     cores = cores or cpu_count()
-    wanted = {f"infer-{m.name}": m.threads for m in cfg.models if m.device == "cpu"}
+    wanted = {infer_role(g): cfg.model(g[0]).threads for g in cfg.serving_groups() if cfg.model(g[0]).device == "cpu"}
     if trainers:
         wanted |= {f"train-{m.name}": cfg.trainer_of(m.name).threads for m in cfg.models
                    if m.trainable and cfg.trainer_of(m.name).device == "cpu"}

@@ -1,5 +1,6 @@
-"""`jet bench trl`: the statistics (exact McNemar, Wilcoxon, t intervals, the alternating order) and the Jet
-arms of a real (tiny) run on the multi-turn task with its report. The TRL arm runs in CI's TRL tier
+"""`jet bench trl`: the statistics (exact McNemar, Wilcoxon, t intervals, the alternating order), the
+jet-lora arm's config, the summary, table and plot of four arms' (made-up) runs, and the Jet arms of a real
+(tiny) run on the multi-turn task with its report. The TRL arm runs in CI's TRL tier
 (tests/bench/test_trl_side.py, in a venv with trl)."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from jet.bench.trl import mean_interval, order_of, paired, sign_test
-from jet.bench.trl_arms import tree_rss
+from jet.bench.trl import mean_interval, order_of, paired, plot, sign_test, summarise, table
+from jet.bench.trl_arms import MODEL, Lora, Shared, jet_config, tree_rss
 
 
 def test_sign_test_matches_hand_computed_binomial_tails():
@@ -48,6 +49,61 @@ def test_fractional_results_get_a_wilcoxon_test_and_repeats_a_t_interval():
     assert mean_interval([5.0]) == {"mean": 5.0, "ci95": None, "n": 1}
     assert [order_of(["jet", "jet-flat", "trl"], r) for r in range(3)] == [
         ["jet", "jet-flat", "trl"], ["trl", "jet-flat", "jet"], ["jet", "jet-flat", "trl"]]
+    four = ["jet", "jet-flat", "trl", "jet-lora"]
+    assert [order_of(four, r) for r in range(2)] == [four, ["jet-lora", "trl", "jet-flat", "jet"]]
+
+
+def test_the_jet_lora_arm_is_the_jet_arm_training_an_adapter_at_its_own_lr(tmp_path):
+    from jet.config import load
+
+    s, rows = Shared(lr=3e-5), tmp_path / "rows.jsonl"
+    rows.write_text("")
+    jet = jet_config(s, "jet", "model", rows, tmp_path, 1)
+    lora = jet_config(s, "jet-lora", "model", rows, tmp_path, 1, Lora(r=8, alpha=16.0, lr=4e-4))
+    policy = lora["models"][0]
+    assert policy.pop("adapter") == {"r": 8, "alpha": 16.0, "target_modules": "all-linear"}
+    assert policy.pop("trainer") == {"lr": 4e-4} and lora == jet, "otherwise the jet arm's config"
+    cfg = load(jet_config(s, "jet-lora", "model", rows, tmp_path, 1, Lora(r=8, alpha=16.0, lr=4e-4)))
+    a = cfg.models[0].adapter
+    assert (a.r, a.alpha, a.target_modules, a.publish) == (8, 16.0, "all-linear", "adapter")
+    assert cfg.trainer_of(MODEL).lr == 4e-4 and cfg.trainer.lr == 3e-5, "the shared section keeps the shared lr"
+    full = load(jet)
+    assert full.models[0].adapter is None and full.trainer_of(MODEL).lr == 3e-5, "the jet arm trains every weight"
+    default = load(jet_config(s, "jet-lora", "model", rows, tmp_path, 1))  # Lora(): r 16, alpha 32, 10x the lr
+    assert (default.models[0].adapter.r, default.models[0].adapter.alpha) == (16, 32.0)
+    assert default.trainer_of(MODEL).lr == pytest.approx(3e-4)
+
+
+def fake_run(arm: str, repeat: int, position: int, rate: float, results: list[int]) -> dict:
+    return {"arm": arm, "repeat": repeat, "position": position, "trajectories_per_min": rate,
+            "steady_trajectories_per_min": rate, "completion_tokens_per_trajectory": 10.0,
+            "forward_tokens_per_trajectory": 100.0, "prefill_tokens_per_trajectory": None, "peak_rss_mib": 900.0,
+            "load_mean": 1.5, "reward_curve": [[1.0, 0.1], [2.0, 0.2]],
+            "eval": {"accuracy": sum(results) / len(results), "results": results}}
+
+
+def test_summary_table_and_plot_of_four_arms(tmp_path):
+    arms = ["jet", "jet-flat", "trl", "jet-lora"]
+    rates = {"jet": 40.0, "jet-flat": 30.0, "trl": 10.0, "jet-lora": 50.0}
+    held = {"jet": [1, 1, 0, 1], "jet-flat": [1, 0, 0, 1], "trl": [0, 0, 0, 1], "jet-lora": [1, 1, 1, 1]}
+    runs = [fake_run(a, r, i, rates[a] + r, held[a]) for r in range(2) for i, a in enumerate(order_of(arms, r))]
+    base = {"n": 4, "accuracy": 0.25, "ci95": [0.05, 0.7], "results": [0, 0, 0, 1]}
+    summary = summarise(runs, base, arms)
+    assert summary["ratios"]["jet-lora/jet"]["trajectories_per_min"]["per_repeat"] == [50 / 40, 51 / 41]
+    assert summary["ratios"]["jet-lora/trl"]["trajectories_per_min"]["per_repeat"] == [50 / 10, 51 / 11]
+    assert summary["paired"]["jet-lora_vs_jet"] == {"test": "mcnemar", "x_only": 0, "y_only": 1, "p": 1.0}
+    assert {"jet-lora_vs_base", "jet_vs_trl", "jet_vs_jet-flat", "jet-flat_vs_trl"} < set(summary["paired"])
+    report = {"task": "add", "model": "/m/smollm2", "budget_s": 60.0, "repeats": 2, "runs": runs, "base": base,
+              "summary": summary, "unmatched": {}, "versions": {}, "threads": {},
+              "lora": Lora(r=16, alpha=32.0, lr=2e-4).as_dict()}
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(table(report))
+    text = console.export_text()
+    assert "jet-lora" in text and "jet-lora/jet trajectories_per_min: 1.25x" in text and "lr 0.0002" in text
+    plot(report, tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").stat().st_size > 1000
 
 
 @pytest.mark.slow  # it starts a child process

@@ -199,5 +199,5 @@ def test_adapter_settings_are_checked_with_their_key():
         load({"models": [{"name": "m", "path": "p", "adapter": {"rank": 8}}]})
     with pytest.raises(ConfigError, match=r"models\[0\]\.adapter\.dropout"):
         load({"models": [{"name": "m", "path": "p", "adapter": {"dropout": 1.0}}]})
-    with pytest.raises(ConfigError, match=r"models\[0\]\.adapter: the deepspeed trainer backend"):
-        load({"models": [{**model, "trainer": {"backend": "deepspeed"}}]})
+    ds = load({"models": [{**model, "trainer": {"backend": "deepspeed"}}]})  # tests/trainer/test_deepspeed.py
+    assert ds.trainer_of("m").backend == "deepspeed" and ds.models[0].adapter.r == 8

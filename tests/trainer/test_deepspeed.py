@@ -7,6 +7,9 @@ checkpoints, weight publication). Per step, the loss must match the torch
 backend's to rtol 1e-4 (float32 sums in a different order across ranks) and
 the gradient norm to rtol 1e-3; steps 2 and 3 check the optimiser update too,
 since their losses depend on it. Every trajectory is trained exactly once.
+With a LoRA adapter (`models[].adapter`) too: the same match against the torch
+backend training the same adapter, checkpoints without the frozen base, and
+versions that are the adapter alone.
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ def deepspeed_runs() -> str | None:
     return None
 
 
-def train(tmp_path: Path, url: str, tiny_model: Path, run: str, *extra: str) -> list[dict]:
+def train(tmp_path: Path, url: str, tiny_model: Path, run: str, *extra: str, adapter: dict | None = None) -> list[dict]:
     rng = random.Random(7)
     trajs = [t for g in range(2 * STEPS) for t in synthetic_group(f"g{g}", 3, rng)]
     keys = Keys(run)
     produce_sync(url, keys, trajs)
     # each sample on its own (no group trees): 3 rows a step, so one rank of two runs a padding micro-batch
-    config = write_config(tmp_path / f"{run}.yaml", run, tiny_model, tmp_path / "runs", steps=STEPS,
+    config = write_config(tmp_path / f"{run}.yaml", run, tiny_model, tmp_path / "runs", adapter, steps=STEPS,
                           checkpoint_every=2, kl_coef=0.05, micro_batch_tokens=40, lr=1e-3, prefix_trees=False)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JET_LOG_LEVEL": "WARNING"}
     out = subprocess.run([sys.executable, "-m", "jet.trainer.cli", "--config", str(config), "--redis-url", url,
@@ -59,20 +62,31 @@ def train(tmp_path: Path, url: str, tiny_model: Path, run: str, *extra: str) -> 
     return rows
 
 
+ADAPTER = {"r": 4, "alpha": 8.0}
+
+
 @pytest.fixture(scope="module")
-def torch_run(tiny_model, redis_url, tmp_path_factory) -> list[dict]:
-    """The torch backend's metrics on the workload (once for both stages)."""
+def torch_runs(tiny_model, redis_url, tmp_path_factory) -> dict:
+    """The torch backend's metrics on the workload, full and with an adapter (each once for every stage)."""
     if deepspeed_runs():
         pytest.skip(deepspeed_runs())
-    return train(tmp_path_factory.mktemp("torch"), redis_url, tiny_model, f"t{uuid.uuid4().hex[:10]}")
+    runs = {}
+
+    def run(lora: bool) -> list[dict]:
+        if lora not in runs:
+            runs[lora] = train(tmp_path_factory.mktemp("torch"), redis_url, tiny_model, f"t{uuid.uuid4().hex[:10]}",
+                               adapter=ADAPTER if lora else None)
+        return runs[lora]
+
+    return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_two_ranks_match_the_torch_backend(stage, torch_run, tiny_model, redis_url, keys, tmp_path):
-    base = torch_run
+@pytest.mark.parametrize("stage,lora", [(2, False), (3, False), (2, True)], ids=["zero2", "zero3", "zero2-adapter"])
+def test_deepspeed_two_ranks_match_the_torch_backend(stage, lora, torch_runs, tiny_model, redis_url, keys, tmp_path):
+    base = torch_runs(lora)
     ds = train(tmp_path, redis_url, tiny_model, f"{keys.run}d", "--backend", "deepspeed", "--nproc", "2",
-               "--set", f"trainer.zero_stage={stage}")
+               "--set", f"trainer.zero_stage={stage}", adapter=ADAPTER if lora else None)
     for a, b in zip(base, ds):
         assert b["train/micro_batches"] == a["train/micro_batches"] == 3, "3 rows: one rank runs a padding micro-batch"
         assert b["train/tokens"] == a["train/tokens"]
@@ -82,3 +96,24 @@ def test_deepspeed_two_ranks_match_the_torch_backend(stage, torch_run, tiny_mode
     assert ds[-1]["policy/version"] == STEPS
     ckpt = tmp_path / "runs" / f"{keys.run}d" / "trainer" / MODEL / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
+    if lora:  # the checkpoint leaves the base out; the versions are the adapter alone
+        from jet import adapters
+
+        size = sum(f.stat().st_size for f in (ckpt / "step-00000003").rglob("*") if f.is_file())
+        assert size < (tiny_model / "model.safetensors").stat().st_size, "no frozen base in the checkpoint"
+        assert adapters.is_adapter(tmp_path / "runs" / f"{keys.run}d" / "weights" / MODEL / f"v{STEPS}")
+        # a restart resumes from the adapter checkpoint (the base from the model folder) and trains on;
+        # a checkpoint of another adapter shape is refused with the reason
+        rng = random.Random(8)
+        produce_sync(redis_url, Keys(f"{keys.run}d"), [t for g in range(2) for t in synthetic_group(f"h{g}", 3, rng)])
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JET_LOG_LEVEL": "WARNING"}
+        argv = [sys.executable, "-m", "jet.trainer.cli", "--config", str(tmp_path / f"{keys.run}d.yaml"),
+                "--redis-url", redis_url, "--backend", "deepspeed", "--nproc", "2"]
+        wrong = subprocess.run(argv + ["--set", "models.0.adapter.r=2"], env=env, capture_output=True, text=True,
+                               timeout=400)
+        assert wrong.returncode != 0 and "was written with adapter" in wrong.stdout + wrong.stderr
+        out = subprocess.run(argv + ["--set", f"trainer.steps={STEPS + 1}"], env=env, capture_output=True,
+                             text=True, timeout=400)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        rows = read(tmp_path / "runs" / f"{keys.run}d" / "trainer" / MODEL / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 2)) and rows[-1]["counts/trained"] == 6 * (STEPS + 1)

@@ -1,5 +1,6 @@
 """A two-agent, two-model team trained in one run: the real roles (an inference worker per model, an env
-worker, a trainer per model, each its own process, as `jet up` starts them) on a real Redis.
+worker, a trainer per model, each its own process, as `jet up` starts them) on a real Redis; and the same
+team as two LoRA adapters of one base (configs/team-lora.yaml's layout), served by ONE inference worker.
 
 The `propose` task has a proposer model pick a secret and a solver model guess it. Checked: each model's
 weight version advances on its own (the models' own `trainer.steps` differ: 2 and 3), and traj:<model>
@@ -32,13 +33,16 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = {"proposer": 2, "solver": 3}
 
 
-def team_config(tmp_path: Path, run: str) -> Path:
+def team_config(tmp_path: Path, run: str, lora: bool = False) -> Path:
     models = []
     for seed, name in enumerate(STEPS, start=1):
-        path = init_model(tmp_path / name, vocab_size=512, hidden_size=32, layers=2, heads=4, kv_heads=2,
-                          max_position=256, seed=seed)
-        models.append({"name": name, "path": str(path), "max_batch": 8,
-                       "trainer": {"seed": seed, "steps": STEPS[name]}})
+        folder = tmp_path / ("base" if lora else name)
+        if not folder.exists():
+            init_model(folder, vocab_size=512, hidden_size=32, layers=2, heads=4, kv_heads=2, max_position=256,
+                       seed=seed)
+        models.append({"name": name, "path": str(folder), "max_batch": 8,
+                       "trainer": {"seed": seed, "steps": STEPS[name], **({"lr": 1e-2} if lora else {})},
+                       **({"adapter": {"r": 4, "alpha": 8.0}} if lora else {})})
     data = {"run": run, "runs_dir": str(tmp_path / "runs"), "queues": {"block_ms": 200, "lease_ms": 3000},
             "models": models,
             "tasks": [{"name": "propose", "workflow": "jet.tasks.propose:workflow", "dataset": "propose",
@@ -78,8 +82,9 @@ async def snapshot(url, keys, seen: dict[str, dict[str, Trajectory]]) -> dict[st
 
 
 @pytest.mark.slow
-def test_two_models_train_at_once_each_on_its_own_agent(redis_url, keys, tmp_path):
-    config = team_config(tmp_path, keys.run)
+@pytest.mark.parametrize("lora", [False, True], ids=["two-models", "adapters-of-one-base"])
+def test_two_models_train_at_once_each_on_its_own_agent(redis_url, keys, tmp_path, lora):
+    config = team_config(tmp_path, keys.run, lora)
     cfg = load_file(config)
     anyio.run(enqueue, redis_url, keys, dataset("propose", 5, seed=0))  # 3 groups needed, 2 spare
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JET_REDIS_URL": redis_url, "JET_LOG_LEVEL": "INFO"}
@@ -89,7 +94,8 @@ def test_two_models_train_at_once_each_on_its_own_agent(redis_url, keys, tmp_pat
         argv = role.argv + (["--drain-timeout", "2"] if role.name == "env" else [])
         log = open(tmp_path / f"{role.name}.log", "wb")
         procs[role.name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    assert sorted(procs) == ["env", "infer-proposer", "infer-solver", "train-proposer", "train-solver"]
+    infer = ["infer-proposer+solver"] if lora else ["infer-proposer", "infer-solver"]
+    assert sorted(procs) == ["env", *infer, "train-proposer", "train-solver"]
     seen: dict[str, dict[str, Trajectory]] = {m: {} for m in STEPS}
     try:
         deadline = time.monotonic() + 120
@@ -117,6 +123,13 @@ def test_two_models_train_at_once_each_on_its_own_agent(redis_url, keys, tmp_pat
         assert procs[f"train-{model}"].returncode == 0
         assert [w.version for w in announced[model]] == list(range(1, steps + 1)), model
         assert all(w.model == model and f"/{model}/" in w.path for w in announced[model])
+        if lora:  # versions are adapters, and the one worker served each model's newest
+            from jet import adapters
+
+            assert adapters.is_adapter(announced[model][-1].path)
+            log = (tmp_path / "infer-proposer+solver.log").read_text()
+            assert f"{model}: now serving weight version {steps - 1}" in log or \
+                f"{model}: now serving weight version {steps}" in log, log[-2000:]
 
     # each model's stream holds its own agent's samples and tokens only
     from transformers import AutoTokenizer

@@ -62,6 +62,52 @@ class Backend(Protocol):
         """Load published weights once the requests in flight have finished; new ones wait meanwhile."""
 
 
+class Slotted:
+    """What both backends share for several adapter models on one base: a weight version per slot
+    (`versions`; `version` is slot 0's, the only one otherwise) and `view(slot)`, one model as a backend."""
+
+    versions: list[int]
+
+    @property
+    def version(self) -> int:
+        return self.versions[0]
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.versions[0] = v
+
+    def view(self, slot: int) -> SlotView:
+        """Slot `slot` as a backend of its own (the worker serves each model of a shared base through one)."""
+        return SlotView(self, slot)
+
+
+class SlotView:
+    """One model of a backend serving several adapter models on one base (`slots` > 1), as the inference
+    worker drives a backend: its own version, prefix cache (hf) and weight loads."""
+
+    def __init__(self, backend, slot: int):
+        self.backend, self.slot = backend, slot
+
+    @property
+    def version(self) -> int:
+        return self.backend.versions[self.slot]
+
+    @property
+    def context_length(self) -> int:
+        return self.backend.context_length
+
+    @property
+    def prefix_cache(self):
+        caches = getattr(self.backend, "prefix_caches", None)
+        return caches[self.slot] if caches else None
+
+    async def agenerate_one(self, prompt: list[int], sp: SamplingParams) -> GenOutput:
+        return await self.backend.agenerate_one(prompt, sp, self.slot)
+
+    async def aload_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None) -> None:
+        await self.backend.aload_weights(path, sha256, version, self.slot)
+
+
 def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vocab_size: int) -> str | None:
     """Why a request cannot be served by any backend (None when it can); top_p is each backend's own."""
     if not prompt:

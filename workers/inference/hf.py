@@ -21,6 +21,13 @@ own values of those weights are kept aside the first time (a copy of the adapted
 layers only), and each version sets them to base + its update, so versions never
 accumulate rounding. A full-weights version after adapter versions replaces all.
 
+Several models on one base (`slots` > 1: a team whose models are adapters of one
+base, `jet.config.serving_groups`): one copy of the base, and each slot's adapter
+added row by row (`jet.workers.inference.lora`), never merged; each slot has its
+own version and its own prefix cache (keys and values depend on the adapter), and
+loads adapter versions only. `view(slot)` is one model of them as the worker
+drives it (`SlotView`).
+
 What it is not: a server. No Redis; the sync API is not thread-safe, and is not
 to be mixed with the async one while async calls are in flight.
 
@@ -52,7 +59,7 @@ from typing import TYPE_CHECKING
 
 from jet.errors import WeightsError
 from jet.wire import WEIGHTS_FILE, file_sha256
-from jet.workers.inference.backend import GenOutput, SamplingParams, request_error, version_in
+from jet.workers.inference.backend import GenOutput, SamplingParams, Slotted, request_error, version_in
 from jet.workers.inference.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -60,11 +67,11 @@ if TYPE_CHECKING:
 
 
 
-class HFBackend:
+class HFBackend(Slotted):
     """A transformers causal LM with a hand-written sampling loop."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                 max_inflight: int = 256, prefix_cache_mb: float = 1024):
+                 max_inflight: int = 256, prefix_cache_mb: float = 1024, slots: int = 1):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -76,46 +83,60 @@ class HFBackend:
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else next(iter(self.eos_ids), 0)
         self.vocab_size = config.vocab_size
-        self.version = 0
+        self.versions = [0] * slots  # the weight version each slot serves
         self.max_inflight = max_inflight  # rows decoded together by the async API
-        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))  # emptied by every weight load
+        self.prefix_caches = [PrefixCache(int(prefix_cache_mb * 2**20 / slots)) for _ in range(slots)]  # emptied
+        # by each load of the slot's weights
         self.base_of_adapted: dict[str, torch.Tensor] = {}  # the base's own values of the weights an adapter updates
+        self.lora = None
+        if slots > 1:
+            from jet.workers.inference.lora import RowLoRA
+
+            self.lora = RowLoRA(self.model, slots)
         self._engine = None
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        return self.prefix_caches[0]
 
     @property
     def context_length(self) -> int:
         """Prompt plus completion tokens the model can attend to."""
         return self.model.config.max_position_embeddings
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
-        """Complete every prompt; outputs are in request order, one per prompt."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 slots: list[int] | None = None) -> list[GenOutput]:
+        """Complete every prompt (each with the adapter of its slot in `slots`, default 0); outputs are in
+        request order, one per prompt."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        slots = slots or [0] * len(prompts)
         outputs: list[GenOutput | None] = [None] * len(prompts)
         runnable = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             problem = self._request_error(prompt, sp)
             if problem:
-                outputs[i] = GenOutput([], [], "error", problem, self.version)
+                outputs[i] = GenOutput([], [], "error", problem, self.versions[slots[i]])
             else:
                 runnable.append(i)
         if runnable:
             from jet.workers.inference.hf_engine import Scheduler
 
             sched = Scheduler(self, max_rows=len(runnable))
-            rows = [sched.new_row(prompts[i], params[i]) for i in runnable]
+            rows = [sched.new_row(prompts[i], params[i], slots[i]) for i in runnable]
             sched.run(rows)
             for i, row in zip(runnable, rows):
                 outputs[i] = row.output()
         return outputs
 
-    async def agenerate_one(self, prompt: list[int], sp: SamplingParams) -> GenOutput:
+    async def agenerate_one(self, prompt: list[int], sp: SamplingParams, slot: int = 0) -> GenOutput:
         """One completion, decoded together with the other calls in flight (`jet.workers.inference.hf_engine`)."""
-        return await self.engine.agenerate_one(prompt, sp)
+        return await self.engine.agenerate_one(prompt, sp, slot)
 
-    async def aload_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None) -> None:
+    async def aload_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None,
+                            slot: int = 0) -> None:
         """`load_weights` once the requests in flight have finished; new ones wait meanwhile."""
-        await self.engine.aload_weights(path, sha256, version)
+        await self.engine.aload_weights(path, sha256, version, slot)
 
     @property
     def engine(self):
@@ -143,18 +164,25 @@ class HFBackend:
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
-    def load_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None) -> None:
+    def load_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None,
+                     slot: int = 0) -> None:
         """Load a safetensors file (or a dir holding model.safetensors) into the live model.
 
         The file's sha256 is checked when given. Nothing is copied unless every
         tensor's name and shape match the model. The new version is `version`,
         else the N of a `v<N>` directory in the path, else the old version + 1.
+        With several slots, only adapter versions load, each into its `slot`.
         """
         import torch
         from safetensors.torch import load_file
 
         from jet import adapters
 
+        if self.lora is not None:
+            if not adapters.is_adapter(path):
+                raise WeightsError(f"{path}: not an adapter version ({adapters.ADAPTER_FILE}); this worker serves "
+                                   f"{len(self.versions)} models on one base and loads their adapters only")
+            return self._load_row_adapter(Path(path), sha256, version, slot)
         if adapters.is_adapter(path):
             return self._load_adapter(Path(path), sha256, version)
         file = Path(path)
@@ -205,6 +233,20 @@ class HFBackend:
         self.prefix_cache.clear()
         self.version = version if version is not None else version_in(file, default=self.version + 1)
 
+    def _load_row_adapter(self, folder: Path, sha256: str | None, version: int | None, slot: int) -> None:
+        """An adapter version for one slot of a shared base: held beside the base, added row by row."""
+        from jet import adapters
+
+        file = folder / adapters.ADAPTER_FILE
+        if sha256 is not None and (digest := file_sha256(file)) != sha256.lower():
+            raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        try:
+            self.lora.set(slot, adapters.read(folder))
+        except adapters.AdapterError as e:
+            raise WeightsError(str(e)) from e
+        self.prefix_caches[slot].clear()
+        self.versions[slot] = version if version is not None else version_in(file, default=self.versions[slot] + 1)
+
     def _check_state(self, state: dict, live: dict, file: Path) -> None:
         unexpected = sorted(set(state) - set(live))
         if unexpected:
@@ -220,3 +262,4 @@ class HFBackend:
                  for k, v in state.items() if v.shape != live[k].shape]
         if wrong:
             raise WeightsError(f"{file}: shape mismatch: {wrong[:5]}")
+

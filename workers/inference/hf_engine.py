@@ -21,6 +21,11 @@ first. A row that finishes leaves its prompt and completion in the cache, where
 the next turn of its episode finds them. The cache is emptied at every weight
 load, so reused keys and values always come from the weights serving the row.
 
+Several models on one base (the backend's slots, `jet.workers.inference.lora`): each row
+carries its slot; every forward tells the backend's `RowLoRA` the slot of each row, so
+rows of different models share a batch; prefix reuse stays within a slot (its own
+cache: keys and values depend on the adapter), and so do shared heads.
+
 Weight loads: `Engine.aload_weights` passes `jet.workers.inference.gate.WeightGate`:
 it holds new requests back, waits for the rows in flight to finish, loads, and
 lets the held requests in (pause admission, drain, load, resume). So a
@@ -73,6 +78,7 @@ class Row:
     stops: frozenset[int]
     gen: "torch.Generator"
     version: int  # the weight version serving it (loads wait for rows to finish)
+    slot: int = 0  # which model of a shared base it is (the backend's slots)
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     finish: str | None = None
@@ -99,11 +105,11 @@ class Scheduler:
         self.forwards = 0  # model calls so far (prefills + decoding steps)
         self.peak_rows = 0  # most rows decoded in one step
 
-    def new_row(self, prompt: list[int], sp: SamplingParams) -> Row:
+    def new_row(self, prompt: list[int], sp: SamplingParams, slot: int = 0) -> Row:
         """A row for a request that passed `HFBackend._request_error`."""
         limit = min(sp.max_tokens, self.b.context_length - len(prompt))
         return Row(list(prompt), sp, limit, self.b.eos_ids | frozenset(sp.stop_token_ids), generator(sp.seed),
-                   self.b.version)
+                   self.b.versions[slot], slot=slot)
 
     def fail_all(self, error: str) -> list[Row]:
         """After a step raised: every row in the scheduler ends with `error`, and the batch starts empty."""
@@ -147,23 +153,26 @@ class Scheduler:
         import torch
         from transformers import DynamicCache
 
-        pc = self.b.prefix_cache
-        use_cache = pc.max_bytes > 0 and self.mergeable
-        hits = [pc.match(r.prompt) if use_cache else (None, 0) for r in fresh]
-        if use_cache:
-            heads = shared_heads([r.prompt for r in fresh], [n for _, n in hits], SHARED_MIN_TOKENS)
+        caches = self.b.prefix_caches  # one per slot
+        use_cache = caches[0].max_bytes > 0 and self.mergeable
+        hits = [caches[r.slot].match(r.prompt) if use_cache else (None, 0) for r in fresh]
+        for slot in sorted({r.slot for r in fresh}) if use_cache else ():
+            mine = [i for i, r in enumerate(fresh) if r.slot == slot]
+            heads = shared_heads([fresh[i].prompt for i in mine], [hits[i][1] for i in mine], SHARED_MIN_TOKENS)
             if heads:  # several waiting prompts share a head nothing cached covers: compute it once
-                self._prefill_heads(heads)
-                hits = [pc.match(r.prompt) for r in fresh]
-        pc.stats.prompt_tokens += sum(len(r.prompt) for r in fresh)
-        pc.stats.reused_tokens += sum(n for _, n in hits)
+                self._prefill_heads(heads, slot)
+                for i in mine:
+                    hits[i] = caches[slot].match(fresh[i].prompt)
+        for r, (_, n) in zip(fresh, hits):
+            caches[r.slot].stats.prompt_tokens += len(r.prompt)
+            caches[r.slot].stats.reused_tokens += n
         ids, mask, pos = self.b._left_pad([r.prompt[n:] for r, (_, n) in zip(fresh, hits)])
         cache = DynamicCache(config=self.b.model.config)
         width = max(n for _, n in hits)
         if width:  # the cached heads, left-padded to one width, before the rest of each prompt
             starts = torch.tensor([[n] for _, n in hits], dtype=pos.dtype, device=pos.device)
             pos = pos + starts
-            heads = [pc.get(key, n) if key else None for key, n in hits]
+            heads = [caches[r.slot].get(key, n) if key else None for r, (key, n) in zip(fresh, hits)]
             like = next(h for h in heads if h)
             for layer in range(len(like)):
                 keys = torch.cat([_left_kv(h[layer][0] if h else None, like[layer][0], width) for h in heads])
@@ -171,25 +180,26 @@ class Scheduler:
                 cache.update(keys, values, layer)
             held = torch.arange(width, device=mask.device)[None, :] >= width - starts
             mask = torch.cat([held.to(mask.dtype), mask], dim=1)
-        logits = self._forward(ids, mask, pos, cache)
+        logits = self._forward(ids, mask, pos, cache, [r.slot for r in fresh])
         done, keep = self._sample(fresh, logits)
         self._remember(cache, mask, fresh, keep)
         if keep:
             self._merge(*self._kept(cache, mask, pos[:, -1:] + 1, fresh, keep))
         return done
 
-    def _prefill_heads(self, heads: list[tuple[int, ...]]) -> None:
-        """Compute the keys and values of `heads` (one batch, no sampling) into the prefix cache."""
+    def _prefill_heads(self, heads: list[tuple[int, ...]], slot: int) -> None:
+        """Compute the keys and values of `heads` (one batch, no sampling) into `slot`'s prefix cache."""
         from transformers import DynamicCache
 
+        pc = self.b.prefix_caches[slot]
         ids, mask, pos = self.b._left_pad([list(h) for h in heads])
         cache = DynamicCache(config=self.b.model.config)
-        self._forward(ids, mask, pos, cache)
+        self._forward(ids, mask, pos, cache, [slot] * len(heads))
         self.mergeable = _plain_layers(cache)
         if self.mergeable:
             for i, head in enumerate(heads):
-                self.b.prefix_cache.put(head, self._row_kv(cache, mask, i))
-        self.b.prefix_cache.stats.shared_prefills += len(heads)
+                pc.put(head, self._row_kv(cache, mask, i))
+        pc.stats.shared_prefills += len(heads)
 
     def _row_kv(self, cache, mask, i: int):
         """Row i's keys and values at its unmasked columns, copied: [1, kv_heads, n, head_dim] per layer."""
@@ -200,8 +210,8 @@ class Scheduler:
     def _remember(self, cache, mask, rows: list[Row], keep: list[int]) -> None:
         """Put each finished row's prompt and completion (all but the last token, never fed) in the prefix
         cache: the next turn of its episode starts with them."""
-        pc = self.b.prefix_cache
-        if pc.max_bytes <= 0 or len(keep) == len(rows) or not _plain_layers(cache):
+        caches = self.b.prefix_caches
+        if caches[0].max_bytes <= 0 or len(keep) == len(rows) or not _plain_layers(cache):
             return
         kept = set(keep)
         for i, row in enumerate(rows):
@@ -209,10 +219,10 @@ class Scheduler:
                 kv = self._row_kv(cache, mask, i)
                 tokens = row.prompt + row.tokens[:-1]
                 if kv[0][0].shape[2] == len(tokens):  # the row's columns are exactly its tokens
-                    pc.put(tokens, kv)
+                    caches[row.slot].put(tokens, kv)
 
     def _decode(self) -> list[Row]:
-        logits = self._forward(self.next_ids, self.mask, self.pos, self.cache)
+        logits = self._forward(self.next_ids, self.mask, self.pos, self.cache, [r.slot for r in self.rows])
         done, keep = self._sample(self.rows, logits)
         self._remember(self.cache, self.mask, self.rows, keep)
         self.cache, self.mask, self.pos, self.next_ids, self.rows = self._kept(
@@ -223,9 +233,11 @@ class Scheduler:
             self.cache = None
         return done
 
-    def _forward(self, ids, mask, pos, cache):
+    def _forward(self, ids, mask, pos, cache, slots: list[int]):
         self.forwards += 1
         self.peak_rows = max(self.peak_rows, ids.shape[0])
+        if self.b.lora is not None:
+            self.b.lora.select(slots, ids.device)
         out = self.b.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                            **{self.cache_kwarg: cache})
         return out.logits[:, -1, :].float()
@@ -373,13 +385,13 @@ class Engine:
         self._live: set[Row] = set()  # rows whose caller is waiting
         self._driving = False
 
-    async def agenerate_one(self, prompt: list[int], sp: SamplingParams) -> GenOutput:
-        """Generate one completion; concurrent calls are decoded together."""
+    async def agenerate_one(self, prompt: list[int], sp: SamplingParams, slot: int = 0) -> GenOutput:
+        """Generate one completion (with the adapter of `slot`); concurrent calls are decoded together."""
         problem = self.backend._request_error(prompt, sp)
         if problem:
-            return GenOutput([], [], "error", problem, self.backend.version)
+            return GenOutput([], [], "error", problem, self.backend.versions[slot])
         async with self.gate.request():
-            row = self.sched.new_row(prompt, sp)
+            row = self.sched.new_row(prompt, sp, slot)
             row.wake = anyio.Event()
             self._new.append(row)
             self._live.add(row)
@@ -425,8 +437,11 @@ class Engine:
                 r.wake.set()
                 return
 
-    async def aload_weights(self, path, sha256: str | None = None, version: int | None = None) -> None:
-        """Load weights once no request is in flight; requests arriving meanwhile wait, none is dropped."""
+    async def aload_weights(self, path, sha256: str | None = None, version: int | None = None,
+                            slot: int = 0) -> None:
+        """Load weights (of `slot`) once no request is in flight; requests arriving meanwhile wait, none is
+        dropped. With several slots the requests of every slot wait: the load is a few milliseconds' swap
+        of one adapter, and a row never sees two versions of its slot."""
         async with self.gate.exclusive():
-            await anyio.to_thread.run_sync(self.backend.load_weights, path, sha256, version)
+            await anyio.to_thread.run_sync(self.backend.load_weights, path, sha256, version, slot)
 

@@ -24,6 +24,17 @@ wait), calls `reload_weights` on every worker (`collective_rpc`) and
 `reset_prefix_cache()`, so no KV computed with the old weights is reused.
 The stop token that ended a completion is in its token ids (vLLM keeps it).
 
+LoRA adapters at run time (`lora_slots` > 0: a model training an adapter with
+`publish: adapter`, or several such models of one base, `jet.config.serving_groups`):
+the engine starts with LoRA on (`enable_lora`, up to `lora_slots` adapters in a
+batch, rank up to the next size vLLM takes), and an adapter version is loaded by
+name and version with no restart: after the hash and form checks
+(`jet.adapters`), through the gate, `add_lora` registers it (a new id per version)
+and the slot's previous one is removed; each request names its slot's current
+`LoRARequest`. vLLM's prefix cache keys blocks by adapter name and path, so no
+reset is needed and the other slots keep theirs. A LoRA engine loads adapter
+versions only (full weights would change every slot's base).
+
 What it is not: importable without vllm (the import happens in `__init__`).
 """
 
@@ -38,17 +49,19 @@ import anyio
 
 from jet.errors import ConfigError, WeightsError
 from jet.wire import WEIGHTS_FILE, file_sha256
-from jet.workers.inference.backend import GenOutput, SamplingParams, request_error, version_in
+from jet.workers.inference.backend import GenOutput, SamplingParams, Slotted, request_error, version_in
 from jet.workers.inference.gate import WeightGate
 
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_GIB = "1"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
-class VLLMBackend:
+class VLLMBackend(Slotted):
     def __init__(self, model_dir: str | Path, device: str = "cuda", dtype: str = "float32",
-                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None, max_num_seqs: int = 64):
+                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None, max_num_seqs: int = 64,
+                 lora_slots: int = 0, max_lora_rank: int = 16):
         on_cpu = device == "cpu"
         if not (on_cpu or device.startswith("cuda")):
             raise ConfigError(f"models[].device: the vllm backend runs on 'cpu' or 'cuda[:N]', got {device!r}")
@@ -66,12 +79,21 @@ class VLLMBackend:
         extra = {"max_model_len": max_model_len} if max_model_len else {}
         if not on_cpu:
             extra["gpu_memory_utilization"] = gpu_memory_utilization
+        if lora_slots:
+            rank = next((r for r in LORA_RANKS if r >= max_lora_rank), None)
+            if rank is None:
+                raise ConfigError(f"models[].adapter.r: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, "
+                                  f"got {max_lora_rank}")
+            extra.update(enable_lora=True, max_loras=lora_slots, max_cpu_loras=2 * lora_slots, max_lora_rank=rank)
         args = AsyncEngineArgs(model=str(model_dir), dtype=dtype, logprobs_mode="processed_logprobs",
                                enable_prefix_caching=True, max_num_seqs=max_num_seqs, seed=0, **extra)
         self.model_dir = Path(model_dir)
         self.engine = AsyncLLM.from_engine_args(args)
         self.vocab_size = self.engine.model_config.get_vocab_size()
-        self.version = 0
+        self.versions = [0] * max(1, lora_slots)  # the weight version each slot serves
+        self.loras: list = [None] * max(1, lora_slots)  # each slot's current LoRARequest (None: the base)
+        self.lora_slots, self.max_lora_rank = lora_slots, max_lora_rank
+        self._lora_ids = 0  # vLLM wants a new integer id per adapter version
         self.gate = WeightGate()
 
     def close(self) -> None:
@@ -87,27 +109,30 @@ class VLLMBackend:
             return f"top_p must be in (0, 1], got {sp.top_p}"
         return request_error(prompt, sp, self.context_length, self.vocab_size)
 
-    async def agenerate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenOutput]:
-        """Complete every prompt concurrently in the engine; outputs in request order."""
+    async def agenerate(self, prompts: list[list[int]], params: list[SamplingParams],
+                        slots: list[int] | None = None) -> list[GenOutput]:
+        """Complete every prompt (each with its slot's adapter, default 0) concurrently in the engine; outputs
+        in request order."""
         outputs: list[GenOutput | None] = [None] * len(prompts)
 
         async def one(i: int) -> None:
-            outputs[i] = await self.agenerate_one(prompts[i], params[i])
+            outputs[i] = await self.agenerate_one(prompts[i], params[i], slots[i] if slots else 0)
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         return outputs  # type: ignore[return-value]
 
-    async def agenerate_one(self, prompt: list[int], sp: SamplingParams) -> GenOutput:
-        """One completion; the engine decodes it together with every other call in flight."""
+    async def agenerate_one(self, prompt: list[int], sp: SamplingParams, slot: int = 0) -> GenOutput:
+        """One completion (with the adapter of `slot`); the engine decodes it together with every other
+        call in flight."""
         problem = self._request_error(prompt, sp)
         if problem:
-            return GenOutput([], [], "error", problem, self.version)
+            return GenOutput([], [], "error", problem, self.versions[slot])
         async with self.gate.request():  # no weight load starts until this request has finished
-            return await self._one(prompt, sp, self.version)
+            return await self._one(prompt, sp, self.versions[slot], self.loras[slot])
 
-    async def _one(self, prompt: list[int], sp: SamplingParams, version: int) -> GenOutput:
+    async def _one(self, prompt: list[int], sp: SamplingParams, version: int, lora=None) -> GenOutput:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -117,7 +142,8 @@ class VLLMBackend:
                               skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt}, vsp, uuid.uuid4().hex):
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, vsp, uuid.uuid4().hex,
+                                                  lora_request=lora):
                 final = out
         except Exception as e:  # noqa: BLE001 - one request's failure is its error reply
             log.exception("vllm request failed")
@@ -129,8 +155,20 @@ class VLLMBackend:
         logps = [float(comp.logprobs[k][t].logprob) for k, t in enumerate(ids)]
         return GenOutput(ids, logps, comp.finish_reason, None, version)
 
-    async def aload_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None) -> None:
-        """Reload weights in place from a folder holding model.safetensors (or that file)."""
+    async def aload_weights(self, path: str | Path, sha256: str | None = None, version: int | None = None,
+                            slot: int = 0) -> None:
+        """Reload weights in place from a folder holding model.safetensors (or that file); with LoRA on, load
+        an adapter version (a `jet.adapters` folder) for `slot`."""
+        from jet import adapters
+
+        if self.lora_slots:
+            if not adapters.is_adapter(path):
+                raise WeightsError(f"{path}: not an adapter version ({adapters.ADAPTER_FILE}); this vllm worker "
+                                   f"serves LoRA adapters of its base and loads adapter versions only")
+            return await self._load_adapter(Path(path), sha256, version, slot)
+        if adapters.is_adapter(path):
+            raise WeightsError(f"{path} is an adapter version, and this vllm worker was started without LoRA "
+                               f"(its model has no models[].adapter with publish: adapter)")
         file = Path(path)
         file = file / WEIGHTS_FILE if file.is_dir() else file
         if not file.is_file():
@@ -147,6 +185,37 @@ class VLLMBackend:
                 raise WeightsError(f"vllm could not reload {file.parent}: {e}") from e
             await self.engine.reset_prefix_cache()
             self.version = version if version is not None else version_in(file, default=self.version + 1)
+
+
+    async def _load_adapter(self, folder: Path, sha256: str | None, version: int | None, slot: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from jet import adapters
+
+        file = folder / adapters.ADAPTER_FILE
+        if sha256 is not None:
+            digest = await anyio.to_thread.run_sync(file_sha256, file)
+            if digest != sha256.lower():
+                raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        try:
+            adapter = await anyio.to_thread.run_sync(adapters.read, folder)
+            adapters.pairs(adapter)
+        except adapters.AdapterError as e:
+            raise WeightsError(str(e)) from e
+        if adapter.config["r"] > self.max_lora_rank:
+            raise WeightsError(f"{folder}: rank {adapter.config['r']} is above this worker's maximum "
+                               f"{self.max_lora_rank} (models[].adapter.r when it started)")
+        new = version if version is not None else version_in(file, default=self.versions[slot] + 1)
+        self._lora_ids += 1
+        request = LoRARequest(f"slot{slot}-v{new}", self._lora_ids, str(folder))
+        async with self.gate.exclusive():
+            try:
+                await self.engine.add_lora(request)
+            except Exception as e:  # noqa: BLE001 - vLLM raises its own types; ours is WeightsError
+                raise WeightsError(f"vllm could not load the adapter {folder}: {type(e).__name__}: {e}") from e
+            old, self.loras[slot], self.versions[slot] = self.loras[slot], request, new
+            if old is not None:
+                await self.engine.remove_lora(old.lora_int_id)
 
 
 def _check_fits(file: Path, reference: Path) -> None:

@@ -29,6 +29,12 @@ written only to a reply stream that still exists (the SETTLE step's NOMKSTREAM;
 a dropped reply is counted as `outputs_dropped`), so no reply stream outlives
 its client's TTL.
 
+Several models on one base: `--model a --model b` (what `jet up` starts for the models
+`JetConfig.serving_groups` puts together: LoRA adapters of one base) loads the base
+once (`HFBackend(slots=N)`) and serves each model as above, through a view of that
+backend (`HFBackend.view`): each its own `gen:<model>` stream and consumer, weight
+follower, versions and heartbeat, in one process.
+
 What it is not: a scheduler across workers (more throughput = more processes).
 """
 
@@ -63,18 +69,27 @@ DEADLINE_GRACE_S = 1.0  # clock skew tolerated between client and worker (s)
 
 
 def make_backend(kind: str, path: str, device: str, max_inflight: int = 64, dtype: str = "float32",
-                 prefix_cache_mb: int = 1024) -> Any:
-    """Load the backend (blocking: call from a thread)."""
+                 prefix_cache_mb: int = 1024, slots: int = 1, lora_rank: int | None = None) -> Any:
+    """Load the backend (blocking: call from a thread). `slots` > 1: several adapter models on one base;
+    `lora_rank`: the model(s) publish adapter versions of at most this rank (vllm: LoRA on)."""
     if kind == "hf":
         from jet.workers.inference.hf import HFBackend
 
         return HFBackend(path, device=device, dtype=dtype, max_inflight=max_inflight,
-                         prefix_cache_mb=prefix_cache_mb)
+                         prefix_cache_mb=prefix_cache_mb, slots=slots)
     if kind == "vllm":
         from jet.workers.inference.vllm import VLLMBackend
 
-        return VLLMBackend(path, device=device, dtype=dtype, max_num_seqs=max_inflight)
+        return VLLMBackend(path, device=device, dtype=dtype, max_num_seqs=max_inflight,
+                           lora_slots=slots if lora_rank else 0, max_lora_rank=lora_rank or 16)
     raise ValueError(f"unknown backend {kind!r}; expected 'hf' or 'vllm'")
+
+
+def adapter_rank(cfg: JetConfig, models: list[str]) -> int | None:
+    """The largest LoRA rank the models publish as adapter versions (None: none does)."""
+    ranks = [cfg.model(x).adapter.r for x in models
+             if cfg.model(x).adapter is not None and cfg.model(x).adapter.publish == "adapter"]
+    return max(ranks) if ranks else None
 
 
 def prefill_counts(backend) -> dict[str, int]:
@@ -175,7 +190,8 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
         torch.set_num_threads(m.threads)
     if backend is None:
         backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
-                                                 m.max_inflight, m.dtype, m.prefix_cache_mb)
+                                                 m.max_inflight, m.dtype, m.prefix_cache_mb, 1,
+                                                 adapter_rank(cfg, [model]))
     name = consumer_name(f"infer-{model}", slot)
     try:
         rw = await retry_forever(lambda: connect(url, block_ms=settings.block_ms, name=name), url=url,
@@ -203,28 +219,70 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
             backend.close()
 
 
+def shared_group(cfg: JetConfig, models: list[str]) -> str | None:
+    """Why `models` cannot be served by one worker (None when they can: one serving group's members)."""
+    for group in cfg.serving_groups():
+        if set(models) <= set(group):
+            return None
+    return (f"models {models} are not adapters of one base: one inference worker serves several models only when "
+            f"each trains an adapter (models[].adapter, publish: adapter, share_base) of the same path, backend, "
+            f"device and dtype; serving groups of this config: {cfg.serving_groups()}")
+
+
+async def run_shared(cfg: JetConfig, models: list[str], url: str, stop: anyio.Event, *, slot: int = 0,
+                     device: str | None = None) -> None:
+    """Serve several models that are adapters of one base from one copy of it, until `stop` is set."""
+    problem = shared_group(cfg, models)
+    if problem:
+        raise ValueError(problem)
+    m = cfg.model(models[0])
+    backend = await anyio.to_thread.run_sync(
+        make_backend, m.backend, m.path, device or m.device, sum(cfg.model(x).max_inflight for x in models), m.dtype,
+        sum(cfg.model(x).prefix_cache_mb for x in models), len(models), adapter_rank(cfg, models))
+    log.info("one %s base for %d models: %s (%s backend)", m.path, len(models), ", ".join(models), m.backend)
+    try:
+        async with anyio.create_task_group() as tg:
+            for i, model in enumerate(models):
+                tg.start_soon(lambda i=i, model=model: run(cfg, model, url, stop, slot=slot, backend=backend.view(i),
+                                                           backend_kind=m.backend, device=device, close_backend=False))
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+
+
 @click.command("infer")
 @config_options("models, queues, run")
-@click.option("--model", default=None, help="Model to serve (default: the only configured one).")
+@click.option("--model", "models", multiple=True,
+              help="Model to serve (default: the only configured one); repeated: several adapter models of one "
+                   "base, served from one copy of it.")
 @click.option("--backend", type=click.Choice(["hf", "vllm"]), default=None, help="Overrides models[].backend.")
 @click.option("--device", default=None, help="Torch device; overrides models[].device.")
 @click.option("-n", "processes", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
 @click.option("--slot", type=click.IntRange(min=0), default=0, show_default=True,
               help="First slot number (stable consumer names: host-infer-<model>-<slot>).")
 @redis_url_option
-def cli(config_path, overrides, model, backend, device, processes, slot, redis_url) -> None:
-    """Serve generation requests of one model (gen:<model>) with the hf or vllm backend."""
+def cli(config_path, overrides, models, backend, device, processes, slot, redis_url) -> None:
+    """Serve generation requests of one model (gen:<model>) with the hf or vllm backend (or of several
+    LoRA adapter models of one base, from one copy of it)."""
     from jet.config import REDIS_URL_ENV
     from jet.supervisor import Child, Supervisor, python_module, run_role
 
     cfg = load_config(config_path, overrides)
-    if model is None:
+    if not models:
         if len(cfg.models) != 1:
             raise click.UsageError(f"--model is required: configured models are {[m.name for m in cfg.models]}")
-        model = cfg.models[0].name
-    if model not in [m.name for m in cfg.models]:
-        raise click.UsageError(f"--model: unknown model {model!r}; configured: {[m.name for m in cfg.models]}")
-    cfg, raw = require_models(cfg, config_path, [model]), cfg
+        models = (cfg.models[0].name,)
+    for model in models:
+        if model not in [m.name for m in cfg.models]:
+            raise click.UsageError(f"--model: unknown model {model!r}; configured: {[m.name for m in cfg.models]}")
+    models = list(dict.fromkeys(models))
+    if len(models) > 1:
+        if backend is not None and backend != cfg.model(models[0]).backend:
+            raise click.UsageError("--backend: several models on one base are served by their configured backend")
+        if problem := shared_group(cfg, models):
+            raise click.UsageError(problem)
+    model = models[0]
+    cfg, raw = require_models(cfg, config_path, models), cfg
     url = resolve_url(redis_url)
     if processes > 1:
         from jet.config import pins
@@ -232,17 +290,20 @@ def cli(config_path, overrides, model, backend, device, processes, slot, redis_u
         sets = (*overrides, *pins(raw, cfg))  # every process loads the commit a Hub id resolved to here
 
         def argv_of(i: int) -> list[str]:
-            argv = [*python_module("jet.workers.inference.worker"), "--config", config_path, "--model", model,
-                    "--slot", str(slot + i)]
+            argv = [*python_module("jet.workers.inference.worker"), "--config", config_path,
+                    *[x for m in models for x in ("--model", m)], "--slot", str(slot + i)]
             argv += [x for o in sets for x in ("--set", o)]
             argv += ["--backend", backend] if backend else []
             return argv + (["--device", device] if device else [])
 
         os.environ[REDIS_URL_ENV] = url  # children inherit it; a password never shows in `ps`
-        raise SystemExit(Supervisor(lambda bank: [Child(f"infer-{model}-{slot + i}", argv_of(i))
+        raise SystemExit(Supervisor(lambda bank: [Child(f"infer-{'+'.join(models)}-{slot + i}", argv_of(i))
                                                   for i in range(processes)]).run())
-    run_role(lambda stop: run(cfg, model, url, stop, slot=slot, backend_kind=backend, device=device),
-             "jet worker infer")
+    if len(models) > 1:
+        run_role(lambda stop: run_shared(cfg, models, url, stop, slot=slot, device=device), "jet worker infer")
+    else:
+        run_role(lambda stop: run(cfg, model, url, stop, slot=slot, backend_kind=backend, device=device),
+                 "jet worker infer")
 
 
 if __name__ == "__main__":
