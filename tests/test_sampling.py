@@ -50,8 +50,10 @@ def model_dir(tmp_path_factory):
     return out
 
 
-def generate_episodes(backend: HFBackend, n_episodes: int = 12, turns: int = 3) -> list[list[Call]]:
-    """Multi-turn episodes; every batch mixes every setting (and greedy calls) across its rows."""
+def generate_episodes(backend: HFBackend, n_episodes: int = 12, turns: int = 3,
+                      slots: list[int] | None = None) -> list[list[Call]]:
+    """Multi-turn episodes; every batch mixes every setting (and greedy calls) across its rows (and, with
+    `slots`, each episode's model of a shared base)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(6)] for _ in range(n_episodes)]
     calls: list[list[Call]] = [[] for _ in range(n_episodes)]
@@ -60,7 +62,7 @@ def generate_episodes(backend: HFBackend, n_episodes: int = 12, turns: int = 3) 
                     for e in range(n_episodes)]
         params = [SamplingParams(temperature=t, top_p=p, max_tokens=rng.randint(4, 9), seed=100 * turn + e)
                   for e, (t, p) in enumerate(settings)]
-        for e, out in enumerate(backend.generate(prompts, params)):
+        for e, out in enumerate(backend.generate(prompts, params, slots)):
             assert out.finish_reason != "error", out.error
             calls[e].append(Call(prompts[e], out.token_ids, out.logprobs, 0, "tiny", "main", out.finish_reason,
                                  temperature=params[e].temperature, top_p=params[e].top_p))
@@ -114,6 +116,45 @@ def test_trainer_recomputes_the_reported_logprobs_and_the_ratio_is_one(model_dir
     assert diff.abs().max() <= TOL, f"max |trainer - reported| = {diff.abs().max():.2e}"
     assert (diff.exp() - 1).abs().max() <= 2e-5, "ratio current/behaviour is 1 on fresh weights"
     assert torch.cat(old_diffs).abs().max() > 0.05, "plain log_softmax would have been visibly wrong"
+
+
+@pytest.mark.parametrize("served", ["merged", "shared-base"])
+def test_with_an_adapter_the_trainer_recomputes_the_reported_logprobs(model_dir, tmp_path, served):
+    """A trainer's adapter version served merged into the base (a worker of one model), or on one slot of
+    a shared base beside another model's adapter (rows of both in every batch): the trainer's own adapter
+    model recomputes the reported logprobs of that model's episodes, and the ratio is 1."""
+    from jet.config import AdapterConfig
+    from jet.trainer.backend_torch import TorchBackend
+    from jet.trainer.weights import write_version
+
+    trainer = TorchBackend(str(model_dir), TrainerConfig(lr=0.05), adapter=AdapterConfig(r=4, alpha=16.0))
+    warm = build_step(over_the_wire(generate_episodes(HFBackend(model_dir), 4, 1), "exact"), advantage="grpo",
+                      loss_agg="token_mean")
+    shas = {}
+    for version in (1, 2):
+        for _ in range(2):
+            trainer.train_step(pack(warm.samples, 64), warm, lr=0.05)
+        with trainer.full_module() as module:
+            shas[version] = write_version(module, tmp_path / f"v{version}")
+    if served == "merged":
+        backend, slots, mine = HFBackend(model_dir), None, range(12)
+        backend.load_weights(tmp_path / "v2", shas[2], 2)
+    else:  # slot 1 serves the trainer's version 2, slot 0 another model (version 1 of the adapter)
+        backend, slots, mine = HFBackend(model_dir, slots=2), [e % 2 for e in range(12)], range(1, 12, 2)
+        backend.load_weights(tmp_path / "v1", shas[1], 1, slot=0)
+        backend.load_weights(tmp_path / "v2", shas[2], 2, slot=1)
+    episodes = generate_episodes(backend, slots=slots)
+    inputs = build_step(over_the_wire([episodes[e] for e in mine] * (12 // len(mine)), "exact"), advantage="grpo",
+                        loss_agg="token_mean")
+    diffs = []
+    with torch.no_grad():
+        for row in pack(inputs.samples, 48):
+            trained = row.loss_mask[0] > 0
+            diffs.append((row_logprobs(trainer.model, row)[0] - row.behaviour_logprobs[0])[trained])
+            terms = micro_batch(trainer.model, row, inputs, TrainerConfig(objective="ppo"))
+            assert float(terms.ratio_max) == pytest.approx(1.0, abs=1e-4)
+    diff = torch.cat(diffs)
+    assert diff.numel() > 50 and diff.abs().max() <= TOL, f"max |trainer - reported| = {diff.abs().max():.2e}"
 
 
 def test_greedy_calls_are_context_never_trained(episodes):

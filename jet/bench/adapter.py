@@ -10,8 +10,10 @@ then `fetch` plus `HFBackend.load_weights` (hash check and merge) by an inferenc
 "announced to serving" that depends on the version's size.
 
 Reported: parameter counts, step seconds per side per repeat with the mean ratio adapter / full and
-its 95% t interval, bytes per version and per checkpoint with their ratios, and the Redis path's
-seconds (put; fetch + load) per repeat.
+its 95% t interval, bytes per version and per checkpoint with their ratios, the Redis path's
+seconds (put; fetch + load) per repeat, and, from a real inference worker process whose run folder is
+its own (the announced path does not exist for it), the seconds from each version's announcement to
+the first reply that carries it.
 
 A team on one base (`--team N`, default 3): the resident memory of an inference backend serving N
 adapter models of one base (`HFBackend(slots=N)`, what `jet worker infer --model a --model b ...`
@@ -22,9 +24,7 @@ copy of each, read from the version folder) and decodes the same requests per mo
 requests and tokens of `--serve-*`), reporting its peak RSS (VmHWM) and decoding seconds; the
 sides alternate order over `--repeats`.
 
-What it is not: a learning benchmark (`jet bench trl` trains), nor a measure of a worker process's
-reaction time (the follower's XREAD block adds up to its wake-up; `tests/workers/inference/
-test_weights_redis.py` prints that on the tiny model).
+What it is not: a learning benchmark (`jet bench trl --arms jet,jet-lora` trains).
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ def run(model: str, r: int, alpha: float, targets: str, p: dict, repeats: int, t
             for version in range(1, repeats + 1):
                 redis_s.append(anyio.run(once, version))
         del worker
+        say("a worker process with no shared folder: announcement to serving")
+        serving = announce_to_serving(model, tmp / "adapter" / "v1", repeats, threads, r, say)
         team_report = team(model, tmp / "adapter" / "v1", team_n, team_p, repeats, threads, say) if team_n else None
     full, lora = written["full"], written["adapter"]
     return {
@@ -176,8 +178,78 @@ def run(model: str, r: int, alpha: float, targets: str, p: dict, repeats: int, t
                           "fraction": lora["version_bytes"] / full["version_bytes"]},
         "checkpoint_bytes": {"full": full["checkpoint_bytes"], "adapter": lora["checkpoint_bytes"],
                              "fraction": lora["checkpoint_bytes"] / full["checkpoint_bytes"]},
-        "redis": redis_s, "team": team_report,
+        "redis": redis_s, "announce_to_serving": serving, "team": team_report,
     }
+
+
+def announce_to_serving(model: str, adapter_folder: Path, versions: int, threads: int | None, r: int, say) -> dict:
+    """Seconds from a version's announcement to the first reply carrying it, from a real inference worker
+    process that shares no folder with the "trainer": its config's run folder is its own, and the
+    announced path does not exist, so every version comes through Redis (`jet.queues.blobs`)."""
+    import os
+    import subprocess
+    import sys
+
+    import anyio
+    import yaml
+
+    from jet.adapters import FILES
+    from jet.keys import Keys
+    from jet.llm import Tokenizers, open_client
+    from jet.queues import blobs
+    from jet.queues.connect import connect
+    from jet.wire import WeightVersion, file_sha256
+
+    with tempfile.TemporaryDirectory(prefix="jet-bench-serve-") as tmp:
+        tmp = Path(tmp)
+        keys = Keys("bench-adapter-serve")
+        cfg = tmp / "worker" / "config.yaml"
+        cfg.parent.mkdir()
+        cfg.write_text(yaml.safe_dump({"run": keys.run, "runs_dir": str(tmp / "worker" / "runs"),
+                                       "queues": {"block_ms": 200},
+                                       "models": [{"name": "policy", "path": model, "adapter": {"r": r}}]}))
+        sha = file_sha256(adapter_folder / FILES[1])
+        with server_url(None, tmp / "server") as url:
+            env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}), "JET_LOG_LEVEL": "INFO"}
+            log = open(tmp / "worker.log", "w")
+            worker = subprocess.Popen([sys.executable, "-m", "jet.workers.inference.worker", "--config", str(cfg),
+                                       "--redis-url", url], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+            async def go() -> list[dict]:
+                r = await connect(url)
+                out = []
+                try:
+                    async with open_client(url, keys, Tokenizers({"policy": model}), timeout_s=600) as client:
+                        llm = client.session("bench", "policy")
+                        await llm.generate([1, 2, 3], max_tokens=1, temperature=0)  # serving: the base
+                        say("worker serving; announcing adapter versions")
+                        for v in range(1, versions + 1):
+                            first, n = await blobs.put(r, keys, "policy", v, adapter_folder, FILES)
+                            w = WeightVersion("policy", v, str(tmp / "trainer-only" / f"v{v}"), sha, v, blob=first,
+                                              blob_chunks=n)
+                            t0 = time.perf_counter()
+                            await r.xadd(keys.weights("policy"), w.to_fields())
+                            polls = 0
+                            while (await llm.generate([1, 2, 3], max_tokens=1, temperature=0)).version != v:
+                                polls += 1
+                            out.append({"version": v, "chunks": n, "seconds": time.perf_counter() - t0,
+                                        "polls": polls})
+                            say(f"version {v}: served {out[-1]['seconds']:.2f} s after its announcement")
+                finally:
+                    await r.aclose()
+                return out
+
+            try:
+                served = anyio.run(go)
+            finally:
+                worker.terminate()
+                worker.wait(timeout=60)
+                log.close()
+        if worker.returncode not in (0, -15):
+            raise click.ClickException(f"the worker failed:\n{(tmp / 'worker.log').read_text()[-3000:]}")
+    return {"versions": served, "note": "announcement XADD to the first reply naming the version; the worker's "
+                                        "weights follower blocks on XREAD (wakes at once), fetches the chunks, checks "
+                                        "and merges them; replies poll with 1-token requests"}
 
 
 def peak_rss_mib() -> float:
@@ -274,6 +346,8 @@ def table(report: dict):
     if "redis" in report:
         worst = max(x["fetch_and_load_s"] for x in report["redis"])
         t.add_row("Redis: fetch + load of a version (worst)", "", f"{worst:.2f} s", "")
+        worst = max(x["seconds"] for x in report["announce_to_serving"]["versions"])
+        t.add_row("worker without a shared folder: announced to served (worst)", "", f"{worst:.2f} s", "")
     if report.get("team"):
         tm = report["team"]
         one = sum(r["peak_rss_mib"] for r in tm["runs"]["one"]) / len(tm["runs"]["one"])

@@ -22,6 +22,8 @@ def test_bench_adapter_quick_reports_both_sides(tiny_model):
     assert all(s > 0 for side in report["step_s"].values() for s in side)
     assert 0 < report["version_bytes"]["fraction"] < 0.2 and 0 < report["checkpoint_bytes"]["fraction"] < 0.2
     assert [x["chunks"] for x in report["redis"]] == [2, 2] and all(x["fetch_and_load_s"] > 0 for x in report["redis"])
+    assert [x["version"] for x in report["announce_to_serving"]["versions"]] == [1, 2]
+    assert all(0 < x["seconds"] < 60 for x in report["announce_to_serving"]["versions"])
     team = report["team"]
     assert [r["slots"] for r in team["runs"]["one"]] == [1, 1] and [r["slots"] for r in team["runs"]["shared"]] == [2, 2]
     assert all(r["peak_rss_mib"] > 50 and r["generated_tokens"] > 0 for side in team["runs"].values() for r in side)

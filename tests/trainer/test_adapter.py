@@ -201,3 +201,30 @@ def test_adapter_settings_are_checked_with_their_key():
         load({"models": [{"name": "m", "path": "p", "adapter": {"dropout": 1.0}}]})
     ds = load({"models": [{**model, "trainer": {"backend": "deepspeed"}}]})  # tests/trainer/test_deepspeed.py
     assert ds.trainer_of("m").backend == "deepspeed" and ds.models[0].adapter.r == 8
+
+
+def test_a_bfloat16_step_trains_the_adapter_alone_and_publishes_it_in_bfloat16(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from jet import adapters
+    from jet.trainer.weights import write_version
+    from jet.workers.inference.hf import HFBackend
+
+    cfg = TrainerConfig(lr=1e-2, dtype="bfloat16", device="cpu")
+    b = TorchBackend(str(tiny_model), cfg, adapter=ADAPTER)
+    inputs, rows = step_inputs()
+    before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
+    stats = b.train_step(rows, inputs, lr=cfg.lr)
+    assert stats.grad_norm > 0 and torch.isfinite(torch.tensor(stats.loss))
+    moved = {n for n, p in b.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_B." in n for n in moved), "with B = 0 the first step moves B alone"
+    assert {p.dtype for p in b.model.parameters()} == {torch.float32}, "master weights stay float32"
+    with b.full_module() as module:
+        sha = write_version(module, tmp_path / "v1", cfg.dtype)
+    assert {t.dtype for t in load_file(tmp_path / "v1" / adapters.ADAPTER_FILE).values()} == {torch.bfloat16}
+    worker = HFBackend(tiny_model)  # a float32 worker merges the bfloat16 adapter
+    worker.load_weights(tmp_path / "v1", sha, 1)
+    with torch.no_grad():
+        served, trained = row_logprobs(worker.model, rows[0]), row_logprobs(b.model, rows[0])
+    assert torch.allclose(served, trained, atol=1e-2, rtol=0), "the adapter rounded to bfloat16"
+    assert not torch.equal(served, row_logprobs(HFBackend(tiny_model).model, rows[0]))

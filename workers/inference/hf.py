@@ -247,6 +247,26 @@ class HFBackend(Slotted):
         self.prefix_caches[slot].clear()
         self.versions[slot] = version if version is not None else version_in(file, default=self.versions[slot] + 1)
 
+    def keep_base_of(self, targets: list[str] | str) -> int:
+        """Keep the base's own values of the weights adapter versions of `targets` ('all-linear': every linear
+        layer but the output head; or module-name suffixes) will update, now: what the first adapter version
+        would copy (`_load_adapter`), made at start so that version serves without the copy's cost (the
+        memory is the same from the first version on). Returns the bytes kept."""
+        import torch
+
+        head = self.model.get_output_embeddings()
+        kept = 0
+        for name, module in self.model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or module is head:
+                continue
+            if targets != "all-linear" and not any(name == t or name.endswith(f".{t}") for t in targets):
+                continue
+            key = f"{name}.weight"
+            if key not in self.base_of_adapted:
+                self.base_of_adapted[key] = module.weight.detach().clone()
+                kept += module.weight.numel() * module.weight.element_size()
+        return kept
+
     def _check_state(self, state: dict, live: dict, file: Path) -> None:
         unexpected = sorted(set(state) - set(live))
         if unexpected:

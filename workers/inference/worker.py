@@ -192,6 +192,8 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
         backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
                                                  m.max_inflight, m.dtype, m.prefix_cache_mb, 1,
                                                  adapter_rank(cfg, [model]))
+    if m.adapter is not None and m.adapter.publish == "adapter" and hasattr(backend, "keep_base_of"):
+        await anyio.to_thread.run_sync(backend.keep_base_of, m.adapter.target_modules)  # hf, one model: merged
     name = consumer_name(f"infer-{model}", slot)
     try:
         rw = await retry_forever(lambda: connect(url, block_ms=settings.block_ms, name=name), url=url,

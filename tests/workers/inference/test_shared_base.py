@@ -231,3 +231,20 @@ async def test_one_worker_process_serves_two_adapter_models_from_one_base(redis_
         await r.aclose()
     text = (tmp_path / "infer.log").read_text()
     assert "one " in text and "for 2 models: left, right" in text, text[-2000:]
+
+
+def test_keeping_the_base_at_start_changes_nothing_served(tiny_model, tmp_path):
+    """A worker of one adapter model keeps the base's copy of the adapted layers at start (`keep_base_of`):
+    the first version then serves exactly as without it, whatever the targets it expected."""
+    import torch
+
+    [(a, sha)] = trained_adapters(tiny_model, tmp_path, [(AdapterConfig(r=4, alpha=16.0), 1, 2)])
+    late = HFBackend(tiny_model)
+    late.load_weights(a, sha, 1)
+    for targets in ("all-linear", ["q_proj"]):
+        early = HFBackend(tiny_model)
+        assert early.keep_base_of(targets) > 0
+        early.load_weights(a, sha, 1)
+        assert set(early.base_of_adapted) == set(late.base_of_adapted), targets
+        live, want = early.model.state_dict(), late.model.state_dict()
+        assert all(torch.equal(live[k], want[k]) for k in want), targets
