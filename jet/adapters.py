@@ -4,11 +4,12 @@ What it is: the format of an adapter version as the trainer publishes it (`model
 `publish: adapter`): a folder holding `adapter_model.safetensors` (the LoRA A and B matrices under
 peft's names, `base_model.model.<layer>.lora_A.weight`) and `adapter_config.json` (peft's LoraConfig
 fields: `r`, `lora_alpha`, `target_modules`, ...), so `peft.PeftModel.from_pretrained(base, folder)`
-loads it too. `read(folder)` checks and loads one (`AdapterError` with the reason otherwise); `deltas`
-gives each adapted layer's update (alpha / r) B A, keyed by the base weight it adds to; `merge_into`
-checks them against a model's state and returns the merged weights. Inference workers apply versions
-this way (`jet.workers.inference.hf`), and `jet model merge` writes a base with an adapter merged in as
-a plain Hugging Face folder (transformers and vLLM load it).
+loads it too. `read(folder)` checks and loads one (`AdapterError` with the reason otherwise); `pairs`
+gives each adapted layer's A and B; `updates` checks them against a model's weight shapes, before
+anything is computed; `merged_weight` is one weight plus its update (alpha / r) B A, and `merge_into`
+every merged weight. Inference workers apply versions this way, a layer at a time
+(`jet.workers.inference.hf`), and `jet model merge` writes a base with an adapter merged in as a plain
+Hugging Face folder (transformers and vLLM load it).
 
 What it is not: a trainer (`jet.trainer.adapter` wraps the policy with peft), and no pickle: safetensors
 and JSON only.
@@ -87,22 +88,30 @@ def pairs(adapter: Adapter) -> dict:
     return out
 
 
-def deltas(adapter: Adapter) -> dict:
-    """Base weight name -> its update (alpha / r) B A, in float32."""
-    return {f"{layer}.weight": (b.float() @ a.float()) * adapter.scale for layer, (a, b) in pairs(adapter).items()}
+def updates(adapter: Adapter, shapes: dict) -> list:
+    """(base weight name, A, B) of each adapted layer, checked against the model's weight shapes (`shapes`:
+    name -> shape); AdapterError naming the first that does not fit. Nothing is computed yet."""
+    out = []
+    for layer, (a, b) in pairs(adapter).items():
+        name = f"{layer}.weight"
+        if name not in shapes:
+            raise AdapterError(f"the adapter updates {name!r}, which the model does not have")
+        if (b.shape[0], a.shape[1]) != tuple(shapes[name]):
+            raise AdapterError(f"the adapter's update of {name!r} is {(b.shape[0], a.shape[1])}, "
+                               f"the model's weight {tuple(shapes[name])}")
+        out.append((name, a, b))
+    return out
+
+
+def merged_weight(base, a, b, scale: float):
+    """`base` + (alpha / r) B A, computed in float32, in `base`'s dtype (a new tensor)."""
+    return (base.float() + (b.float() @ a.float()).to(base.device) * scale).to(base.dtype)
 
 
 def merge_into(base: dict, adapter: Adapter) -> dict:
     """The weights of `base` (name -> tensor, unchanged) that `adapter` updates, merged (base's dtype)."""
-    merged = {}
-    for name, delta in deltas(adapter).items():
-        if name not in base:
-            raise AdapterError(f"the adapter updates {name!r}, which the model does not have")
-        if tuple(base[name].shape) != tuple(delta.shape):
-            raise AdapterError(f"the adapter's update of {name!r} is {tuple(delta.shape)}, "
-                               f"the model's weight {tuple(base[name].shape)}")
-        merged[name] = (base[name].float() + delta.to(base[name].device)).to(base[name].dtype)
-    return merged
+    return {name: merged_weight(base[name], a, b, adapter.scale)
+            for name, a, b in updates(adapter, {k: v.shape for k, v in base.items()})}
 
 
 def merge_folder(base_path: str | Path, adapter_folder: str | Path, out: str | Path) -> Path:

@@ -17,12 +17,13 @@ the first reply that carries it.
 
 A team on one base (`--team N`, default 3): the resident memory of an inference backend serving N
 adapter models of one base (`HFBackend(slots=N)`, what `jet worker infer --model a --model b ...`
-loads) against one serving a single adapter model (merged, what a worker of one model loads) and
-against N such workers (today's layout without a shared base: their peaks summed). Each is a fresh
+loads) against one serving a single adapter model (merged, what a worker of one model loads: it also
+keeps the base's own copy of the adapted layers), one serving the base alone (no adapter), and N
+workers of one model (the layout without a shared base: N times the single one). Each is a fresh
 process (`python -m jet.bench.adapter --child ...`) that loads the base and the adapters (its own
 copy of each, read from the version folder) and decodes the same requests per model (the prompt,
 requests and tokens of `--serve-*`), reporting its peak RSS (VmHWM) and decoding seconds; the
-sides alternate order over `--repeats`.
+sides rotate order over `--repeats`.
 
 What it is not: a learning benchmark (`jet bench trl --arms jet,jet-lora` trains).
 """
@@ -264,7 +265,7 @@ def peak_rss_mib() -> float:
 def serve_child(model: str, adapter_folder: str, slots: int, requests: int, prompt: int, tokens: int,
                 threads: int | None) -> dict:
     """In a fresh process: load the base with `slots` adapter models (1: merged, as a one-model worker
-    does), decode `requests` requests per model, return peak RSS and seconds."""
+    does; 0: the base alone, no adapter), decode `requests` requests per model, return peak RSS and seconds."""
     import torch
 
     from jet.workers.inference.backend import SamplingParams
@@ -273,14 +274,14 @@ def serve_child(model: str, adapter_folder: str, slots: int, requests: int, prom
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    backend = HFBackend(model, slots=slots)
+    backend = HFBackend(model, slots=max(slots, 1))
     for slot in range(slots):
         backend.load_weights(adapter_folder, None, 1, slot=slot)
     loaded = time.perf_counter() - t0
     rng = random.Random(0)
     head = [rng.randrange(10, backend.vocab_size) for _ in range(prompt)]
     prompts, params, which = [], [], []
-    for slot in range(slots):
+    for slot in range(max(slots, 1)):
         for i in range(requests):
             prompts.append(head + [rng.randrange(10, backend.vocab_size) for _ in range(8)])
             params.append(SamplingParams(temperature=1.0, max_tokens=tokens, seed=1000 * slot + i))
@@ -313,14 +314,21 @@ def team(model: str, adapter_folder: Path, n: int, p: dict, repeats: int, thread
         say(f"{slots} model(s) on one base: peak RSS {got['peak_rss_mib']:.0f} MiB, decoding {got['decode_s']:.1f} s")
         return got
 
-    runs = {"one": [], "shared": []}
+    sides = {"base": 0, "one": 1, "shared": n}
+    runs = {side: [] for side in sides}
     for k in range(repeats):
-        for side in (["one", "shared"] if k % 2 == 0 else ["shared", "one"]):
-            runs[side].append(child(1 if side == "one" else n))
+        order = list(sides)[k % 3:] + list(sides)[:k % 3]  # each side first, middle and last in turn
+        for side in order:
+            runs[side].append(child(sides[side]))
     ratios = [s["peak_rss_mib"] / o["peak_rss_mib"] for s, o in zip(runs["shared"], runs["one"])]
+    over_base = [s["peak_rss_mib"] / o["peak_rss_mib"] for s, o in zip(runs["shared"], runs["base"])]
     return {"models": n, "workload": p, "runs": runs, "rss_ratio_shared_over_one": mean_interval(ratios),
-            "ratios": ratios, "separate_workers_ratio": float(n),
-            "note": f"{n} workers of one model each hold {n} x the one-model figure (each its own base)"}
+            "ratios": ratios, "rss_ratio_shared_over_base": mean_interval(over_base), "ratios_over_base": over_base,
+            "separate_workers_ratio": float(n),
+            "note": f"'one': a worker of one adapter model (merged: it keeps the base's own copy of the adapted "
+                    f"layers); 'base': the base alone, no adapter, one model's requests; 'shared': {n} adapter "
+                    f"models on one base, each with its own requests; {n} workers of one model each hold {n} x "
+                    f"'one'"}
 
 
 def table(report: dict):
@@ -358,6 +366,10 @@ def table(report: dict):
                   f"{ci['mean']:.2f}{interval}")
         t.add_row(f"peak RSS, {tm['models']} workers of one model (MiB)", f"{tm['models'] * one:,.0f}", "",
                   f"{tm['models']:.2f}")
+        base = sum(r["peak_rss_mib"] for r in tm["runs"]["base"]) / len(tm["runs"]["base"])
+        cb = tm["rss_ratio_shared_over_base"]
+        t.add_row(f"peak RSS, the base alone | {tm['models']} on one base (MiB)", f"{base:,.0f}", f"{shared:,.0f}",
+                  f"{cb['mean']:.2f}")
     return t
 
 

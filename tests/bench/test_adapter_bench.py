@@ -26,5 +26,7 @@ def test_bench_adapter_quick_reports_both_sides(tiny_model):
     assert all(0 < x["seconds"] < 60 for x in report["announce_to_serving"]["versions"])
     team = report["team"]
     assert [r["slots"] for r in team["runs"]["one"]] == [1, 1] and [r["slots"] for r in team["runs"]["shared"]] == [2, 2]
+    assert [r["slots"] for r in team["runs"]["base"]] == [0, 0] and team["rss_ratio_shared_over_base"]["mean"] > 0
     assert all(r["peak_rss_mib"] > 50 and r["generated_tokens"] > 0 for side in team["runs"].values() for r in side)
-    assert all(r["lora_mib"] > 0 for r in team["runs"]["shared"]) and team["rss_ratio_shared_over_one"]["mean"] > 0
+    assert all(r["lora_mib"] > 0 for r in team["runs"]["shared"]) and team["runs"]["base"][0]["lora_mib"] is None
+    assert team["rss_ratio_shared_over_one"]["mean"] > 0

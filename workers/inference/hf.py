@@ -219,17 +219,17 @@ class HFBackend(Slotted):
         live = self.model.state_dict()
         try:
             adapter = adapters.read(folder)
-            base = {name: self.base_of_adapted.get(name, tensor) for name, tensor in live.items()}
-            merged = adapters.merge_into(base, adapter)
+            todo = adapters.updates(adapter, {name: tensor.shape for name, tensor in live.items()})
         except adapters.AdapterError as e:
             raise WeightsError(str(e)) from e
-        with torch.no_grad():
-            for name in set(self.base_of_adapted) - set(merged):  # adapted before, not by this version
+        adapted = {name for name, _, _ in todo}
+        with torch.no_grad():  # layer by layer: no copy of the whole model is ever allocated at once
+            for name in set(self.base_of_adapted) - adapted:  # adapted before, not by this version
                 live[name].copy_(self.base_of_adapted.pop(name))
-            for name, tensor in merged.items():
+            for name, a, b in todo:
                 if name not in self.base_of_adapted:
                     self.base_of_adapted[name] = live[name].detach().clone()
-                live[name].copy_(tensor)
+                live[name].copy_(adapters.merged_weight(self.base_of_adapted[name], a, b, adapter.scale))
         self.prefix_cache.clear()
         self.version = version if version is not None else version_in(file, default=self.version + 1)
 
