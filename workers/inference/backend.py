@@ -108,6 +108,15 @@ class SlotView:
         await self.backend.aload_weights(path, sha256, version, self.slot)
 
 
+def check_sha256(file: Path, sha256: str | None) -> None:
+    """WeightsError unless `file` hashes to `sha256` (nothing to check when None): every weight load's first check."""
+    from jet.errors import WeightsError
+    from jet.wire import file_sha256
+
+    if sha256 is not None and (digest := file_sha256(file)) != sha256.lower():
+        raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+
+
 def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vocab_size: int) -> str | None:
     """Why a request cannot be served by any backend (None when it can); top_p is each backend's own."""
     if not prompt:

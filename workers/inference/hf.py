@@ -58,8 +58,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jet.errors import WeightsError
-from jet.wire import WEIGHTS_FILE, file_sha256
-from jet.workers.inference.backend import GenOutput, SamplingParams, Slotted, request_error, version_in
+from jet.wire import WEIGHTS_FILE
+from jet.workers.inference.backend import (GenOutput, SamplingParams, Slotted, check_sha256, request_error,
+                                           version_in)
 from jet.workers.inference.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -189,10 +190,7 @@ class HFBackend(Slotted):
         file = file / WEIGHTS_FILE if file.is_dir() else file
         if not file.is_file():
             raise WeightsError(f"no weights file at {file}")
-        if sha256 is not None:
-            digest = file_sha256(file)
-            if digest != sha256.lower():
-                raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        check_sha256(file, sha256)
         try:
             state = load_file(str(file), device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own types (SafetensorError, ...)
@@ -214,8 +212,7 @@ class HFBackend(Slotted):
         from jet import adapters
 
         file = folder / adapters.ADAPTER_FILE
-        if sha256 is not None and (digest := file_sha256(file)) != sha256.lower():
-            raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        check_sha256(file, sha256)
         live = self.model.state_dict()
         try:
             adapter = adapters.read(folder)
@@ -238,8 +235,7 @@ class HFBackend(Slotted):
         from jet import adapters
 
         file = folder / adapters.ADAPTER_FILE
-        if sha256 is not None and (digest := file_sha256(file)) != sha256.lower():
-            raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        check_sha256(file, sha256)
         try:
             self.lora.set(slot, adapters.read(folder))
         except adapters.AdapterError as e:

@@ -48,8 +48,9 @@ from pathlib import Path
 import anyio
 
 from jet.errors import ConfigError, WeightsError
-from jet.wire import WEIGHTS_FILE, file_sha256
-from jet.workers.inference.backend import GenOutput, SamplingParams, Slotted, request_error, version_in
+from jet.wire import WEIGHTS_FILE
+from jet.workers.inference.backend import (GenOutput, SamplingParams, Slotted, check_sha256, request_error,
+                                           version_in)
 from jet.workers.inference.gate import WeightGate
 
 log = logging.getLogger(__name__)
@@ -173,10 +174,7 @@ class VLLMBackend(Slotted):
         file = file / WEIGHTS_FILE if file.is_dir() else file
         if not file.is_file():
             raise WeightsError(f"no weights file at {file}")
-        if sha256 is not None:
-            digest = await anyio.to_thread.run_sync(file_sha256, file)
-            if digest != sha256.lower():
-                raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        await anyio.to_thread.run_sync(check_sha256, file, sha256)
         await anyio.to_thread.run_sync(_check_fits, file, self.model_dir / WEIGHTS_FILE)
         async with self.gate.exclusive():
             try:
@@ -193,10 +191,7 @@ class VLLMBackend(Slotted):
         from jet import adapters
 
         file = folder / adapters.ADAPTER_FILE
-        if sha256 is not None:
-            digest = await anyio.to_thread.run_sync(file_sha256, file)
-            if digest != sha256.lower():
-                raise WeightsError(f"sha256 mismatch for {file}: expected {sha256}, file has {digest}")
+        await anyio.to_thread.run_sync(check_sha256, file, sha256)
         try:
             adapter = await anyio.to_thread.run_sync(adapters.read, folder)
             adapters.pairs(adapter)
