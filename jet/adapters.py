@@ -22,7 +22,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -134,20 +133,3 @@ def merge_folder(base_path: str | Path, adapter_folder: str | Path, out: str | P
                 and not f.name.endswith(".index.json"):
             shutil.copy2(f, out / f.name)
     return out
-
-
-@click.command("merge")
-@click.option("--base", "base_path", required=True, type=click.Path(exists=True, file_okay=False),
-              help="The base model folder (models[].path).")
-@click.option("--adapter", "adapter_folder", required=True, type=click.Path(exists=True, file_okay=False),
-              help="An adapter version folder (runs/<run>/weights/<model>/v<N>).")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
-def merge_cli(base_path: str, adapter_folder: str, out_dir: str) -> None:
-    """Merge a trained adapter version into its base: a plain Hugging Face folder."""
-    if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
-        raise click.ClickException(f"{out_dir} exists and is not empty")
-    try:
-        out = merge_folder(base_path, adapter_folder, out_dir)
-    except AdapterError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(f"wrote {out}: {base_path} with the adapter of {adapter_folder} merged in")

@@ -45,10 +45,10 @@ from jet.errors import ConfigError
 from jet.keys import STREAM_KINDS as KEY_STREAM_KINDS
 from jet.keys import check_name
 from jet.runs import RunDir
-from jet.sources import hub_id, pinned, resolve_model
+from jet.sources import hub_id, is_builtin, pinned, resolve_model
 
-__all__ = ["JetConfig", "QueueConfig", "ModelConfig", "TaskConfig", "RuntimeConfig", "TrainerConfig", "load",
-           "load_file", "dump", "write_resolved", "redis_url", "check_models", "pins", "default_config_path",
+__all__ = ["JetConfig", "QueueConfig", "ModelConfig", "TaskConfig", "EvalConfig", "RuntimeConfig", "TrainerConfig",
+           "load", "load_file", "dump", "write_resolved", "redis_url", "check_models", "pins", "default_config_path",
            "REDIS_URL_ENV"]
 
 REDIS_URL_ENV = "JET_REDIS_URL"
@@ -190,6 +190,30 @@ class RuntimeConfig(Section):
     """Working directory of the workflow; relative to the config file's folder; None = the worker's own."""
 
 
+class EvalConfig(Section):
+    dataset: NonEmpty | None = None
+    """Held-out rows: a built-in dataset's held-out split by its name (`add`, `tally`: rows no training row
+    shares), a .jsonl, .parquet or .csv file (relative to the config file's folder), or a Hub dataset with its
+    split (`owner/name?split=test`); None: the held-out split of the task's own built-in dataset."""
+    n: PositiveInt = 100
+    """Held-out rows evaluated for each version: the first n of the dataset (rows)."""
+    every: PositiveInt = 10
+    """Evaluate every N-th published version (versions); the base weights (version 0) and the run's final
+    version are evaluated too. An evaluator that falls behind skips to the newest version due."""
+    greedy: bool = True
+    """Decode every call of an evaluation episode greedily (temperature 0), whatever the workflow asks; false:
+    sample as the workflow asks."""
+    concurrency: PositiveInt = 16
+    """Evaluation episodes run at once by the evaluator (their calls are decoded together)."""
+    seed: NonNegativeInt = 0
+    """Which rows of a built-in held-out split, in which order (integer)."""
+
+    @field_validator("dataset")
+    @classmethod
+    def _eval_dataset(cls, value: str | None) -> str | None:
+        return None if value is None else _dataset(value)
+
+
 class TaskConfig(Section):
     name: TaskName
     """Task name: key namespace of its tasks stream, and the name in metrics."""
@@ -217,6 +241,11 @@ class TaskConfig(Section):
     """Process the workflow runs in (interpreter, working directory)."""
     model: str | None = None
     """Name of the model the workflow talks to; None = the only configured model."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation during training: an evaluator (`jet worker eval`, a role of `jet up`) plays these
+    rows with this task's workflow and reward on published versions, off the training path, and logs
+    `eval/<task>/reward_mean` with the version, its step and wall time (`<run>/trainer/<model>/eval.jsonl`).
+    None: no evaluation."""
 
 
 class TrainerConfig(Section):
@@ -464,7 +493,7 @@ def _resolve_paths(cfg: JetConfig, base: Path) -> JetConfig:
         return str((base / Path(p).expanduser()).resolve())
 
     def model(p: str) -> str:  # a Hub id stays as it is unless a folder of that name is there
-        return resolve(p) if hub_id(p) is None or (base / p).exists() else p
+        return resolve(p) if (hub_id(p) is None and not is_builtin(p)) or (base / p).exists() else p
 
     def dataset(d: str) -> str:  # a file or folder resolved, its '?query' kept; a Hub id as it is
         where, _, query = d.partition("?")
@@ -480,7 +509,8 @@ def _resolve_paths(cfg: JetConfig, base: Path) -> JetConfig:
             python = os.path.abspath(base / Path(python).expanduser())  # keeps symlinks: a venv's python links
         runtime = t.runtime.model_copy(update={"python": python,
                                                "cwd": resolve(t.runtime.cwd) if t.runtime.cwd else None})
-        tasks.append(t.model_copy(update={"dataset": dataset(t.dataset), "runtime": runtime}))
+        ev = t.eval and t.eval.model_copy(update={"dataset": t.eval.dataset and dataset(t.eval.dataset)})
+        tasks.append(t.model_copy(update={"dataset": dataset(t.dataset), "runtime": runtime, "eval": ev}))
     return cfg.model_copy(update={"models": models, "tasks": tasks})
 
 
@@ -504,11 +534,13 @@ def pins(cfg: JetConfig, resolved: JetConfig) -> tuple[str, ...]:
 def _check_paths(cfg: JetConfig) -> None:
     check_models(cfg)
     for i, t in enumerate(cfg.tasks):
-        where = t.dataset.partition("?")[0]
-        if rows.kind(t.dataset) in rows.FILE_KINDS.values() and not Path(where).is_file():
-            raise invalid(f"tasks[{i}].dataset", f"no such file {t.dataset!r}")
-        if rows.kind(t.dataset) == "hf" and os.path.isabs(where) and not Path(where).is_dir():
-            raise invalid(f"tasks[{i}].dataset", f"no such dataset folder {where!r}")
+        named = [(f"tasks[{i}].dataset", t.dataset), (f"tasks[{i}].eval.dataset", t.eval and t.eval.dataset)]
+        for key, dataset in named:
+            where = (dataset or "").partition("?")[0]
+            if dataset and rows.kind(dataset) in rows.FILE_KINDS.values() and not Path(where).is_file():
+                raise invalid(key, f"no such file {dataset!r}")
+            if dataset and rows.kind(dataset) == "hf" and os.path.isabs(where) and not Path(where).is_dir():
+                raise invalid(key, f"no such dataset folder {where!r}")
         if t.runtime.cwd and not Path(t.runtime.cwd).is_dir():
             raise invalid(f"tasks[{i}].runtime.cwd", f"no such directory {t.runtime.cwd!r}")
         python = t.runtime.python

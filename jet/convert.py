@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import click
-
 from jet.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16")
@@ -127,16 +125,3 @@ def _fetch_and_convert(root: Path, gguf: Path, out: Path) -> None:
 def _tied(model, key: str) -> bool:
     # With tie_word_embeddings the output head is the input embedding: not a tensor of its own.
     return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
-
-
-@click.command("convert")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
-              help="dtype of the saved weights.")
-def cli(file, out_dir, dtype) -> None:
-    """Write a GGUF model file as a Hugging Face folder (safetensors, tokenizer, chat template)."""
-    try:
-        click.echo(str(convert(file, out_dir, dtype)))
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None

@@ -32,9 +32,6 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-import click
-
-from jet.cli.options import LazyGroup
 from jet.errors import ConfigError
 
 # Qwen2 / Llama-3 style split: words, single digits, punctuation runs, spaces.
@@ -292,35 +289,3 @@ def _family(template: str) -> dict:
     if template not in TEMPLATES:
         raise ConfigError(f"model.template: unknown {template!r}; expected one of {sorted(TEMPLATES)}")
     return TEMPLATES[template]
-
-
-@click.group(cls=LazyGroup, lazy={"convert": ("jet.convert:cli", "Write a GGUF model file as a Hugging Face folder."),
-                                   "merge": ("jet.adapters:merge_cli",
-                                             "Merge a trained LoRA adapter version into its base: a Hugging Face folder.")})
-def cli() -> None:
-    """Build tiny local models and tokenizers; convert GGUF files."""
-
-
-@cli.command("init")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write.")
-@click.option("--arch", type=click.Choice(ARCHS), default="llama", show_default=True)
-@click.option("--template", type=click.Choice(sorted(TEMPLATES)), default="chatml", show_default=True)
-@click.option("--hidden", type=click.IntRange(min=8), default=64, show_default=True, help="Hidden size.")
-@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--vocab-size", type=click.IntRange(min=300), default=1024, show_default=True)
-@click.option("--max-position", type=click.IntRange(min=16), default=2048, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--exist-ok", is_flag=True, help="Do nothing when DIR already holds a model (for deployments).")
-def init(out_dir, arch, template, hidden, layers, heads, kv_heads, vocab_size, max_position, seed, exist_ok) -> None:
-    """Write a random tiny causal LM and its tokenizer as a Hugging Face directory."""
-    if exist_ok and (Path(out_dir) / "config.json").is_file():
-        click.echo(f"{out_dir} exists; left as it is")
-        return
-    path = init_model(
-        out_dir, arch=arch, template=template, vocab_size=vocab_size, hidden_size=hidden,
-        layers=layers, heads=heads, kv_heads=kv_heads, max_position=max_position, seed=seed,
-    )
-    click.echo(str(path))
-

@@ -7,6 +7,7 @@ writes or reads one asks it for the path:
       config.resolved.yaml            the config every role of the run loaded (jet up, jet study)
       logs/<role>.log                 each role's output under jet up
       trainer/<model>/metrics.jsonl   one JSON line per optimiser step (jet.trainer.metrics writes it)
+      trainer/<model>/eval.jsonl      one JSON line per evaluated weight version (the evaluator writes it)
       trainer/<model>/tensorboard/    TensorBoard events (trainer.loggers)
       trainer/<model>/plots/          jet plot's PNGs
       trainer/<model>/checkpoints/    jet.trainer.checkpoint
@@ -33,6 +34,7 @@ import orjson
 
 RESOLVED_CONFIG = "config.resolved.yaml"
 METRICS = "metrics.jsonl"
+EVALS = "eval.jsonl"
 _VERSION = re.compile(r"v(\d+)")
 
 
@@ -83,9 +85,14 @@ class RunDir:
     def metrics(self, model: str) -> Path:
         return self.trainer_files(model).metrics
 
+    def evals(self, model: str) -> Path:
+        """The evaluator's rows of `model`: one per evaluated weight version (`eval/<task>/...` metrics)."""
+        return self.trainer_files(model).evals
+
     def trained_models(self) -> list[str]:
-        """The models with a metrics file, sorted."""
-        return sorted(p.parent.name for p in (self.root / "trainer").glob(f"*/{METRICS}"))
+        """The models with a metrics file (or an evaluator's file: a node that only evaluates), sorted."""
+        found = [*(self.root / "trainer").glob(f"*/{METRICS}"), *(self.root / "trainer").glob(f"*/{EVALS}")]
+        return sorted({p.parent.name for p in found})
 
     # -- published weights
     def weights(self, model: str) -> Path:
@@ -111,6 +118,10 @@ class TrainerFiles:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS
+
+    @property
+    def evals(self) -> Path:
+        return self.root / EVALS
 
     @property
     def tensorboard(self) -> Path:

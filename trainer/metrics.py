@@ -8,7 +8,7 @@ when installed, W&B, MLflow: `jet.trainer.loggers`). On resume it first drops
 the lines of steps after the checkpoint it resumed from: those steps were lost
 with the process and are trained again, so the file describes the surviving
 lineage. `plot(folder)` (`jet plot`) writes reward, loss, staleness and
-throughput curves as PNGs.
+throughput curves as PNGs, and the evaluator's held-out results (`eval.jsonl`) when there are any.
 
 What it is not: logging (logs go through `logging`), and rank 0 only: other
 ranks never construct it.
@@ -120,4 +120,34 @@ def plot(path: Path, out_dir: Path | None = None, names: Iterable[str] = PLOTS) 
         fig.savefig(out_dir / f"{name}.png", dpi=100)
         plt.close(fig)
         written.append(out_dir / f"{name}.png")
+    evals = read_metrics(TrainerFiles(Path(path).parent).evals)
+    if evals:
+        written.append(plot_evals(evals, rows, out_dir / "eval.png"))
     return written
+
+
+def plot_evals(evals: list[dict], rows: list[dict], out: Path) -> Path:
+    """The evaluator's held-out results (`eval/<task>/reward_mean`, with their 95% intervals) against the
+    trainer step of each evaluated version and against the wall time it was published, from the trainer's
+    first line (or the first evaluation)."""
+    import matplotlib.pyplot as plt
+
+    start = min([r["time"] for r in rows[:1] if "time" in r] + [e["time"] for e in evals[:1] if "time" in e])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
+    for key in sorted({k for e in evals for k in e if k.startswith("eval/") and k.endswith("/reward_mean")}):
+        pts = [e for e in evals if key in e]
+        ci = key.removesuffix("/reward_mean") + "/ci95"
+        for ax, xs in ((axes[0], [e["step"] for e in pts]), (axes[1], [(e["time"] - start) / 60 for e in pts])):
+            ax.plot(xs, [e[key] for e in pts], "o-", label=key)
+            if all(ci in e for e in pts):
+                ax.fill_between(xs, [e[ci][0] for e in pts], [e[ci][1] for e in pts], alpha=0.2)
+    axes[0].set(title="Held-out evaluation", xlabel="optimiser step of the version", ylabel="mean result (greedy)")
+    axes[1].set(title="against wall time", xlabel="minutes since the run started (version published)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

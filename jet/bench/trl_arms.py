@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -193,6 +192,102 @@ class Sampler:
         return {"peak_rss_mib": self.peak / 2 ** 20, "load_mean": sum(loads) / len(loads), "load_max": max(loads)}
 
 
+class Marks:
+    """On a thread: at each wall-clock mark (seconds since the launch `t0`), the weights a Jet run had
+    published by then are kept: the newest complete `v<N>` folder hard-linked (the trainer's retention
+    cannot take it away, and nothing is copied while the run is timed) into `<out>/<mark>/`, laid out as
+    a run folder (`weights/<model>/v<N>` and the run's resolved config), so `jet eval` loads it as it loads
+    any published version, adapters included; before the first version, the base model itself. Each kept
+    mark records the version, its step and the time it was published (`weights_time_s`)."""
+
+    def __init__(self, run: RunDir, model: str, base: str, out: Path, t0: float, marks_s: list[float]):
+        self.run, self.model, self.base, self.out, self.t0 = run, model, base, out, t0
+        self.kept: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sorted(marks_s),), daemon=True)
+        self._thread.start()
+
+    def _run(self, marks_s: list[float]) -> None:
+        for mark in marks_s:
+            if self._stop.wait(max(0.0, self.t0 + mark - time.time())):
+                return
+            self.kept.append(self.keep(mark))
+
+    def keep(self, mark: float) -> dict:
+        for v in reversed(self.run.versions(self.model)):
+            folder = self.run.weight_version(self.model, v)
+            try:
+                published = folder.stat().st_mtime
+                if not ((folder / WEIGHTS_FILE).is_file() or is_adapter(folder)):
+                    continue
+                mini = RunDir(self.out, f"{mark:g}")
+                dest = mini.weight_version(self.model, v)
+                dest.mkdir(parents=True, exist_ok=True)
+                for f in folder.iterdir():
+                    os.link(f, dest / f.name)
+                shutil.copy2(self.run.resolved_config, mini.resolved_config)
+            except OSError:  # pruned between the listing and the links: the next older one
+                shutil.rmtree(RunDir(self.out, f"{mark:g}").root, ignore_errors=True)
+                continue
+            step = next((int(r["step"]) for r in read_metrics(self.run.metrics(self.model))
+                         if r.get("policy/version") == v), None)
+            return {"mark_s": mark, "path": str(dest), "version": v, "step": step,
+                    "weights_time_s": round(published - self.t0, 3)}
+        return {"mark_s": mark, "path": self.base, "version": 0, "step": 0, "weights_time_s": 0.0}
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join()
+        return self.kept
+
+
+class SwarmCounters:
+    """On a thread, every `every` s: what a Jet run's swarm reports in Redis (never its logs): the inference
+    workers' prompt counters from their heartbeats (`prompt_tokens` admitted, `prefill_tokens` computed, the
+    rest taken from the prefix cache: `jet.workers.inference.worker.prefill_counts`) and the trajectories
+    produced (`entries-added` of `traj:<model>`). The last reading before the run stops is kept."""
+
+    def __init__(self, server_dir: Path, run: str, model: str, every: float = 2.0):
+        from jet.keys import Keys
+
+        self.server_dir, self.keys, self.model = server_dir, Keys(run), model
+        self.last: dict = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        import redis
+
+        client = None
+        while not self._stop.wait(every):
+            try:
+                if client is None:
+                    info = json.loads((self.server_dir / "server.json").read_text())
+                    client = redis.Redis.from_url(info["url"], socket_timeout=5)
+                self.last = self.read(client) or self.last
+            except (OSError, ValueError, KeyError, redis.RedisError):
+                client = None  # not up yet, or gone: try again at the next look
+        if client is not None:
+            client.close()
+
+    def read(self, client) -> dict:
+        prompt = computed = 0
+        for name in client.zrange(self.keys.workers, 0, -1):
+            w = {k.decode(): v.decode() for k, v in client.hgetall(self.keys.worker(name.decode())).items()}
+            if w.get("role") == "infer" and w.get("model") == self.model:
+                prompt += int(w.get("prompt_tokens", 0))
+                computed += int(w.get("prefill_tokens", 0))
+        stream = self.keys.traj(self.model)
+        added = int(client.xinfo_stream(stream).get("entries-added", 0)) if client.exists(stream) else 0
+        return {"prompt_tokens": prompt, "prefill_tokens": computed, "trajectories": added} if added else {}
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return self.last
+
+
 def supervise(argv: list[str], env: dict, log: Path, budget_s: float, t0: float, stop_at_budget: bool,
               grace_s: float = 900.0) -> tuple[int, dict]:
     """Run `argv` (output to `log`); SIGTERM it at t0 + budget_s when `stop_at_budget`. (exit code, samples)."""
@@ -222,14 +317,18 @@ def tail(log: Path, n: int = 15) -> str:
 
 
 def run_arm(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, *, threads: dict,
-            max_staleness: int, trl_python: str | None, generation: str, say, lora: Lora = Lora()) -> dict:
+            max_staleness: int, trl_python: str | None, generation: str, say, lora: Lora = Lora(),
+            marks_s: list[float] = (), micro_batches: int | None = None) -> dict:
+    """One run of `arm`; its weights kept at each of `marks_s` (seconds since its launch) for evaluation later."""
     if arm == "trl":
-        return run_trl(s, model, rows, out, budget_s, threads["trl"], trl_python, generation, say)
-    return run_jet(arm, s, model, rows, out, budget_s, threads["jet_per_process"], max_staleness, say, lora)
+        return run_trl(s, model, rows, out, budget_s, threads["trl"], trl_python, generation, say, list(marks_s),
+                       micro_batches)
+    return run_jet(arm, s, model, rows, out, budget_s, threads["jet_per_process"], max_staleness, say, lora,
+                   list(marks_s))
 
 
 def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, threads: int,
-            max_staleness: int, say, lora: Lora = Lora()) -> dict:
+            max_staleness: int, say, lora: Lora = Lora(), marks_s: list[float] = ()) -> dict:
     import yaml
 
     folder = out
@@ -243,8 +342,13 @@ def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: fl
             "--run-dir", str(folder / "server")]
     say(f"{arm}: jet up for {budget_s:.0f} s (log {folder / 'up.log'})")
     t0 = time.time()
-    code, samples = supervise(argv, env, folder / "up.log", budget_s, t0, stop_at_budget=True)
     run = RunDir(folder / "runs", RUN)
+    marks = Marks(run, MODEL, model, folder / "marks", t0, marks_s)
+    counters = SwarmCounters(folder / "server", RUN, MODEL)
+    try:
+        code, samples = supervise(argv, env, folder / "up.log", budget_s, t0, stop_at_budget=True)
+    finally:
+        kept, swarm = marks.stop(), counters.stop()
     lines = read_metrics(run.metrics(MODEL))
     rows_ = [r for r in lines if "rollout/reward_mean" in r]
     versions = [w for w in (run.weight_version(MODEL, v) for v in run.versions(MODEL))
@@ -261,42 +365,24 @@ def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: fl
     last = lines[-1] if lines else {}  # the trainer's outcome counts, cumulative (0s left out; none before a step)
     outcomes = {k.split("/", 1)[1]: int(v) for k, v in last.items() if k.count("/") == 1 and k.startswith("counts/")}
     decided = sum(v for k, v in outcomes.items() if k in FINAL)
-    prefill = prefill_counts(run.logs)
-    generated = finished_trajectories(folder / "up.log")  # every episode the swarm finished (jet up's summary)
+    generated = swarm.get("trajectories", 0)  # every episode the swarm finished, by the last reading
     report = side_report(steps, budget_s, samples, code, weights=str(versions[-1]))
     report.update(outcomes=outcomes, stale_fraction=outcomes.get("stale", 0) / decided if decided else None,
-                  prefill_tokens_per_trajectory=prefill["computed"] / generated if generated and prefill else None,
-                  prompt_tokens_per_trajectory=prefill["prompt"] / generated if generated and prefill else None)
+                  marks=kept, swarm=swarm,
+                  prefill_tokens_per_trajectory=swarm["prefill_tokens"] / generated if generated else None,
+                  prompt_tokens_per_trajectory=swarm["prompt_tokens"] / generated if generated else None)
     return report
 
 
-def finished_trajectories(log: Path) -> int:
-    """The trajectories the run's episodes produced, from `jet up`'s last feed summary line."""
-    found = re.findall(r"trajectories (\d+) \(", log.read_text(errors="replace")) if log.is_file() else []
-    return int(found[-1]) if found else 0
-
-
-PREFILL_LINE = re.compile(r"(\d+) prompt tokens admitted, (\d+) prefilled")
-
-
-def prefill_counts(logs: Path) -> dict | None:
-    """The inference workers' prompt counters from their drain lines (`jet.workers.inference.worker`)."""
-    prompt = computed = 0
-    for log in sorted(Path(logs).glob("infer*.log")):
-        found = PREFILL_LINE.findall(log.read_text(errors="replace"))
-        if found:
-            prompt, computed = prompt + int(found[-1][0]), computed + int(found[-1][1])
-    return {"prompt": prompt, "computed": computed} if prompt else None
-
-
 def run_trl(s: Shared, model: str, rows: Path, out: Path, budget_s: float, threads: int, trl_python: str,
-            generation: str, say) -> dict:
+            generation: str, say, marks_s: list[float] = (), micro_batches: int | None = None) -> dict:
     folder = out
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     t0 = time.time()
     args = {"shared": s.as_dict(), "rows": str(rows), "model": model, "out": str(folder), "t0": t0,
-            "budget_s": budget_s, "threads": threads, "generation": generation}
+            "budget_s": budget_s, "threads": threads, "generation": generation, "marks_s": list(marks_s),
+            "micro_batches": micro_batches}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "TRL_EXPERIMENTAL_SILENCE": "1"}
     argv = [trl_python, "-P", "-m", "jet.bench.trl_side", "--args-json", json.dumps(args)]
@@ -311,7 +397,8 @@ def run_trl(s: Shared, model: str, rows: Path, out: Path, budget_s: float, threa
     traj = report["trajectories"]
     prefilled = sum(st.get("prefill_tokens", 0) for st in info["steps"])
     report.update(versions=info["versions"], loss_type=info["loss_type"], generation=info["generation"],
-                  rollout=info["rollout"], prefill_tokens_per_trajectory=prefilled / traj if prefilled else None)
+                  rollout=info["rollout"], prefill_tokens_per_trajectory=prefilled / traj if prefilled else None,
+                  marks=info.get("marks", []), micro_batches=info.get("micro_batches"))
     return report
 
 

@@ -51,14 +51,15 @@ def view(cfg, roles: Sequence[Any], feed, curves: Curves, started: float, dash_u
         head.append(" · dashboard ")
         head.append(dash_url, style="cyan")
     train = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    for col in ("model", "step", "reward", "tokens/s", "steps/min", "version", "staleness"):
+    for col in ("model", "step", "reward", "tokens/s", "steps/min", "version", "staleness", "held-out"):
         train.add_column(col, justify="right" if col != "model" else "left")
     for m in _models(cfg):
         last = curves.latest(cfg.run, m)
         steps = f"{last.get('step', 0):g} / {cfg.trainer_of(m).steps}"
         train.add_row(m, steps, *(_num(last.get(k)) for k in ("rollout/reward_mean", "perf/tokens_per_s",
                                                                "perf/steps_per_min", "policy/version",
-                                                               "policy/staleness")))
+                                                               "policy/staleness")),
+                      held_out(curves, cfg.run, m).strip() or "-")
     recent = feed.rewards[-64:]
     rollouts = Text(f"trajectories {feed.trajectories} ({feed.failed} failed) · {_rate(feed, started):.1f}/min · "
                     f"reward (last {len(recent)}) {_num(sum(recent) / len(recent) if recent else None)}")
@@ -84,9 +85,16 @@ def line(cfg, roles: Sequence[Any], feed, curves: Curves, started: float) -> str
     for m in _models(cfg):
         last = curves.latest(cfg.run, m)
         parts.append(f"{m}: step {last.get('step', 0):g}/{cfg.trainer_of(m).steps} reward "
-                     f"{_num(last.get('rollout/reward_mean'))} {_num(last.get('perf/tokens_per_s'))} tok/s")
+                     f"{_num(last.get('rollout/reward_mean'))} {_num(last.get('perf/tokens_per_s'))} tok/s"
+                     + held_out(curves, cfg.run, m))
     alive, total = _alive(roles)
     return " · ".join(parts + [feed.summary(), f"{_rate(feed, started):.1f} traj/min", f"roles alive {alive}/{total}"])
+
+
+def held_out(curves: Curves, run: str, model: str) -> str:
+    """' held-out <task> <result> (step <k>)' per evaluated task: the evaluator's newest results."""
+    return "".join(f" held-out {task} {value:.3f} (step {step:g})"
+                   for task, (step, value) in sorted(curves.held_out(run, model).items()))
 
 
 def write_plots(cfg) -> list[Path]:
@@ -115,6 +123,8 @@ def summary(cfg, curves: Curves, minutes: float, *, plots: Sequence[Path] = (), 
                        f"last {min(FIRST_LAST, len(rewards))} {last:.3f}")
         else:
             out.append(f"  {m}: {steps:g} steps (no reward logged)")
+        if curves.held_out(cfg.run, m):
+            out.append(f"  {m}:{held_out(curves, cfg.run, m)} (greedy, the evaluator's newest)")
     if feed is not None:
         out.append(f"  {feed.summary()}")
     if plots:

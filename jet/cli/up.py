@@ -62,9 +62,21 @@ def roles_for(cfg: JetConfig, config_path: str, overrides: tuple[str, ...], env_
         specs += [(f"train-{m.name}", role("jet.trainer.cli", "--model", m.name), True)
                   for m in cfg.models if m.trainable]
     threads = thread_shares(cfg, has_trainer())
-    return [Child(name, argv, log=run.log(name) if run else None, required=req,
-                  env=_thread_env(threads[name]) if name in threads else {})
-            for name, argv, req in specs]
+    children = [Child(name, argv, log=run.log(name) if run else None, required=req,
+                      env=_thread_env(threads[name]) if name in threads else {})
+                for name, argv, req in specs]
+    # The evaluators: one thread and a lower CPU priority each, optional (a failing one never stops the run) and
+    # lingering (once the trainers are done it evaluates their final versions, then exits by itself).
+    return children + [Child(f"eval-{m}", role("jet.workers.evaluator.worker", "--model", m, "--threads", "1"),
+                             log=run.log(f"eval-{m}") if run else None, env=_thread_env(1), optional=True,
+                             lingers=True) for m in evaluated_models(cfg)]
+
+
+def evaluated_models(cfg: JetConfig) -> list[str]:
+    """The trained models with a task that has an `eval` section: each gets an evaluator under `jet up`."""
+    if not has_trainer():
+        return []
+    return [m.name for m in cfg.models if m.trainable and any(t.model == m.name and t.eval for t in cfg.tasks)]
 
 
 def infer_role(models: list[str]) -> str:
@@ -187,6 +199,7 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
         if sup.stops == 0:
             click.echo("draining roles...", err=True)
             sup.stop()
+        _linger(sup)
         sup.wait(timeout=drain_s)
         feed.close()
         if dash:
@@ -198,9 +211,34 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
         _summary(cfg, feed, started, dash.url if dash else None)
         if sup.failure:
             click.echo(f"jet up: {sup.failure}", err=True)
-        if not code and (sup.failure or any(c not in (0, None) for c in codes.values())):
+        optional = {p.child.name for p in sup.procs if p.child.optional}
+        if not code and (sup.failure or any(c not in (0, None) for n, c in codes.items() if n not in optional)):
             code = 1
+        for message in sup.gave_up:
+            click.echo(f"jet up: an optional role stopped (training was not held back): {message}", err=True)
     raise SystemExit(code)
+
+
+LINGER_S = 900.0  # longest wait for the evaluators' final evaluations once the trainers are done (s)
+
+
+def _linger(sup: Supervisor) -> None:
+    """Once the trainers are done, wait (at most LINGER_S; Ctrl-C or SIGTERM ends it) for the evaluators to
+    evaluate the final versions; they exit by themselves."""
+    if not sup.lingering():
+        return
+    click.echo(f"waiting for {', '.join(sup.lingering())} to evaluate the final version (Ctrl-C stops it)...",
+               err=True)
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    deadline = time.monotonic() + LINGER_S
+    try:
+        while sup.poll() and sup.lingering() and not stop and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    if sup.lingering():
+        sup.stop()  # the second stop: the evaluators too
 
 
 def _start_dashboard(cfg: JetConfig, redis_url: str, log: Path, port: int):

@@ -1,7 +1,8 @@
 """Training curves for `jet dash` and `jet up`: the trainers' metrics files, read as they grow.
 
 What it is: `Curves` follows every `runs/<run>/trainer/<model>/metrics.jsonl`
-(the trainer's `jet.trainer.metrics` file, read by `jet.runs.MetricsFile`) and keeps each metric as a column
+(the trainer's `jet.trainer.metrics` file, read by `jet.runs.MetricsFile`) and the evaluator's
+`eval.jsonl` beside it (`jet.workers.evaluator`), and keeps each metric as a column
 (step, value) in memory, reading only the bytes appended since the last look.
 `since(model, epoch, offset)` returns the points of each series past a client's
 last point, so a page that polls receives only new points.
@@ -32,39 +33,54 @@ class Series:
 
 
 class _File:
-    """One metrics file (`jet.runs.MetricsFile`) with each metric kept as a column."""
+    """One model's metrics file (`jet.runs.MetricsFile`) with each metric kept as a column, and its
+    evaluator's file (`eval.jsonl`: `eval/...` metrics per evaluated version, at that version's step) read
+    into the same columns. Lines of both count as one sequence (`lines`), so a client's cursor covers both."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, evals: Path | None = None):
         self.follower = MetricsFile(path, keep_rows=False)  # the columns below hold the points
+        self.evals_path = evals
+        self.evals = MetricsFile(evals, keep_rows=False) if evals else None
+        self.epoch = 0  # bumped whenever either file started over: every column is read again
         self.lines = 0  # complete lines parsed in this epoch
         self.series: dict[str, Series] = {}
-        self.first_time: float | None = None
-
-    @property
-    def epoch(self) -> int:
-        return self.follower.epoch
+        self.first_time: float | None = None  # of the trainer's first line
 
     @property
     def last(self) -> dict:
         return self.follower.last
 
     def refresh(self) -> None:
-        epoch = self.follower.epoch
-        _, rows = self.follower.refresh()
-        if self.follower.epoch != epoch:
+        before = self._epochs()
+        rows, evals = self._read()
+        if self._epochs() != before:  # a file appeared or started over: every column again, both from the start
+            self.follower = MetricsFile(self.follower.path, keep_rows=False)
+            self.evals = MetricsFile(self.evals_path, keep_rows=False) if self.evals_path else None
+            rows, evals = self._read()
+            self.epoch += 1
             self.lines, self.series, self.first_time = 0, {}, None
         for row in rows:
             self._add(row)
+        for row in evals:
+            self._add(row, trainer=False)
 
-    def _add(self, row: dict) -> None:
+    def _epochs(self) -> tuple[int, int]:
+        return self.follower.epoch, self.evals.epoch if self.evals else 0
+
+    def _read(self) -> tuple[list[dict], list[dict]]:
+        return self.follower.refresh()[1], self.evals.refresh()[1] if self.evals else []
+
+    def _add(self, row: dict, trainer: bool = True) -> None:
         if not isinstance(row.get("step"), (int, float)):
             return
         step, n = float(row["step"]), self.lines
         self.lines += 1
-        if self.first_time is None and isinstance(row.get("time"), (int, float)):
+        if trainer and self.first_time is None and isinstance(row.get("time"), (int, float)):
             self.first_time = float(row["time"])
         for name, value in row.items():
             if name in ("step", "time") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not trainer and not name.startswith("eval/"):  # the evaluator's version, its times: not curves
                 continue
             s = self.series.get(name)
             if s is None:
@@ -93,7 +109,8 @@ class Curves:
         key = (run, model)
         f = self._files.get(key)
         if f is None:
-            f = self._files[key] = _File(RunDir(self.runs_dir, run).metrics(model))
+            run_dir = RunDir(self.runs_dir, run)
+            f = self._files[key] = _File(run_dir.metrics(model), run_dir.evals(model))
         f.refresh()
         return f
 
@@ -120,6 +137,13 @@ class Curves:
         with self._lock:
             s = self._file(run, model).series.get(name)
             return list(s.values) if s else []
+
+    def held_out(self, run: str, model: str) -> dict[str, tuple[float, float]]:
+        """{task: (step, result)} of the evaluator's newest held-out result per task ({} without evaluator)."""
+        with self._lock:
+            series = self._file(run, model).series
+            return {name.split("/")[1]: (s.steps[-1], s.values[-1]) for name, s in series.items()
+                    if name.startswith("eval/") and name.endswith("/reward_mean") and len(s.values)}
 
     def started(self, run: str, model: str) -> float | None:
         return self.file(run, model).first_time

@@ -8,7 +8,9 @@ What it is: `execute(req, ...)` turns a `RunRequest` into an outcome:
 2. check it (schema and paths); a bad one is a result, `bad_config`, with the reason;
 3. start `python -m jet.study.keeper ... -- python -m jet.cli up --config ...`
    (an ordinary Jet run, no training code of its own) and, while it lives,
-   stream each new line of the trainer's metrics.jsonl back as `Progress`,
+   stream each new value of the metric back as `Progress` (from the trainer's
+   metrics.jsonl, or for an `eval/...` metric the evaluator's eval.jsonl: held-out
+   results of the evaluated versions, at their steps),
    stop it on request (pruned, out of budget, cancelled), at its timeout, or
    when this worker drains;
 4. classify how it ended (`classify`, pure).
@@ -97,8 +99,17 @@ def check(files: RunFiles):
 
 
 def metrics_path(cfg, model: str | None) -> Path:
-    name = model or next(m.name for m in cfg.models if m.trainable)
-    return RunDir.of(cfg).metrics(name)
+    return RunDir.of(cfg).metrics(_trained(cfg, model))
+
+
+def source_path(cfg, model: str | None, metric: str) -> Path:
+    """The file that holds `metric`: the evaluator's (`eval/...`: held-out results per evaluated version,
+    `tasks[].eval`), else the trainer's metrics."""
+    return RunDir.of(cfg).evals(_trained(cfg, model)) if metric.startswith("eval/") else metrics_path(cfg, model)
+
+
+def _trained(cfg, model: str | None) -> str:
+    return model or next(m.name for m in cfg.models if m.trainable)
 
 
 def curve_of(rows: list[dict], metric: str) -> list[tuple[int, float]]:
@@ -106,8 +117,11 @@ def curve_of(rows: list[dict], metric: str) -> list[tuple[int, float]]:
 
 
 def classify(code: int | None, rows: list[dict], req: RunRequest, stop: str | None, timed_out: bool,
-             log_tail: str) -> tuple[str, str]:
-    """(status, reason) of a run attempt that ended; status 'retry' = an infrastructure crash."""
+             log_tail: str, measured: list[dict] | None = None) -> tuple[str, str]:
+    """(status, reason) of a run attempt that ended; status 'retry' = an infrastructure crash. `rows`: the
+    trainer's metrics; `measured`: the lines of the file holding the metric, when it is another (the
+    evaluator's, for an `eval/...` metric)."""
+    measured = rows if measured is None else measured
     last = int(rows[-1]["step"]) if rows else 0
     if stop and not (code == 0 and last >= req.steps):  # a stop that came after the last step changes nothing
         kind = stop.split(":", 1)[0]
@@ -115,9 +129,10 @@ def classify(code: int | None, rows: list[dict], req: RunRequest, stop: str | No
     if timed_out:
         return "timeout", f"stopped at its timeout of {req.timeout_s:.0f} s (step {last} of {req.steps})"
     if code == 0 and last >= req.steps:
-        if not any(req.metric in r for r in rows):
-            seen = sorted({k for r in rows for k in r} - {"step", "time"})
-            return "bad_config", f"metric {req.metric!r} is not in the trainer's metrics (it has {', '.join(seen[:12])})"
+        if not any(req.metric in r for r in measured):
+            seen = sorted({k for r in measured for k in r} - {"step", "time"})
+            where = "the evaluator's results (tasks[].eval)" if measured is not rows else "the trainer's metrics"
+            return "bad_config", f"metric {req.metric!r} is not in {where} (it has {', '.join(seen[:12]) or 'none'})"
         bad = next((r["step"] for r in rows if "train/loss" not in r), None)
         if bad is not None:  # the trainer's metrics drop non-finite values: a missing loss is a NaN/inf one
             return "diverged", f"the loss was not finite at step {bad}"
@@ -175,8 +190,8 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     files = compose(req, study_dir)
     started = await ledger.first_start(r, url, keys, req.run)
 
-    def result(status: str, reason: str, rows: list[dict]) -> Finished:
-        curve = curve_of(rows, req.metric)
+    def result(status: str, reason: str, rows: list[dict], measured: list[dict] | None = None) -> Finished:
+        curve = curve_of(rows if measured is None else measured, req.metric)
         final = {k: float(v) for k, v in (rows[-1] if rows else {}).items()
                  if isinstance(v, (int, float)) and k not in ("time",) and math.isfinite(v)}
         return Finished(RunResult(
@@ -191,19 +206,19 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     cfg = await anyio.to_thread.run_sync(check, files)
     if isinstance(cfg, str):
         return result("bad_config", cfg, [])
-    mpath = metrics_path(cfg, req.model)
+    mpath, spath = metrics_path(cfg, req.model), source_path(cfg, req.model, req.metric)
     if time.time() - started >= req.timeout_s:
-        rows = read_metrics(mpath)
-        return result(*classify(None, rows, req, None, True, ""), rows)
+        rows, measured = read_metrics(mpath), read_metrics(spath)
+        return result(*classify(None, rows, req, None, True, "", measured), rows, measured)
 
     files.log.parent.mkdir(parents=True, exist_ok=True)
     with open(files.log, "ab") as err:  # the keeper's own lines go there too
         proc = subprocess.Popen(keeper_argv(req, files, url), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env=run_env(req))
-    stop, timed_out, drain, told, sent, metrics = None, False, False, False, {}, MetricsFile(mpath)
+    stop, timed_out, drain, told, sent, source = None, False, False, False, {}, MetricsFile(spath)
     try:
         while proc.poll() is None:
-            await _stream(r, url, keys, req, metrics, sent)
+            await _stream(r, url, keys, req, source, sent)
             if not told:  # a paused study (`jet study stop`) drains its runs like a stopping worker
                 drain = draining.is_set() or bool(await ledger.get_field(r, url, keys, "paused"))
                 if not drain:
@@ -217,19 +232,20 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
     finally:
         if proc.poll() is None:  # cancelled (the drain deadline): the keeper drains jet up by itself
             proc.send_signal(signal.SIGTERM)
-    await _stream(r, url, keys, req, metrics, sent)
-    rows = metrics.rows  # the file as it ends, read as it grew
+    await _stream(r, url, keys, req, source, sent)
+    measured = source.rows  # the metric's file as it ends, read as it grew
+    rows = measured if spath == mpath else read_metrics(mpath)
     finished = proc.returncode == 0 and bool(rows) and int(rows[-1]["step"]) >= req.steps
     if (drain and not finished) or proc.returncode == EXIT_NO_LEASE:  # a run that finished meanwhile counts
         return Retry("the study worker is draining or the study is paused: the run resumes from its checkpoint "
                      "on the next attempt")
-    status, reason = classify(proc.returncode, rows, req, stop, timed_out, _tail(files.log))
+    status, reason = classify(proc.returncode, rows, req, stop, timed_out, _tail(files.log), measured)
     if status == "retry":
         crashes = await ledger.count_crash(r, url, keys, req.run)
         if crashes <= req.max_retries:
             return Retry(f"infrastructure crash {crashes} of at most {req.max_retries + 1}: {reason}")
-        return result("crashed", f"{reason} ({crashes} crashes)", rows)
-    return result(status, reason, rows)
+        return result("crashed", f"{reason} ({crashes} crashes)", rows, measured)
+    return result(status, reason, rows, measured)
 
 
 async def _stream(r, url: str, keys, req: RunRequest, metrics: MetricsFile, sent: dict[int, float]) -> None:

@@ -53,6 +53,13 @@ DATASETS = {
 }
 
 
+# Built-in datasets with a held-out split no training row shares (`tasks[].eval`, `jet eval`).
+HELD_OUT = {
+    "add": "jet.tasks.add:eval_rows",
+    "tally": "jet.tasks.tally:eval_rows",
+}
+
+
 def names() -> list[str]:
     return sorted(DATASETS)
 
@@ -65,4 +72,13 @@ def dataset(name: str, n: int = 100, seed: int = 0) -> list[dict]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     module, _, fn = DATASETS[name].partition(":")
+    return getattr(importlib.import_module(module), fn)(n, seed)
+
+
+def held_out(name: str, n: int = 100, seed: int = 0) -> list[dict]:
+    """`n` rows of the held-out split of built-in dataset `name` (no training row is among them)."""
+    if name not in HELD_OUT:
+        raise ConfigError(f"dataset {name!r} has no built-in held-out split; built-in ones: "
+                          f"{', '.join(sorted(HELD_OUT))} (or give a file of held-out rows)")
+    module, _, fn = HELD_OUT[name].partition(":")
     return getattr(importlib.import_module(module), fn)(n, seed)

@@ -46,6 +46,29 @@ def test_curves_send_only_new_points_and_start_over_when_a_resume_rewrites_the_f
     assert curves.latest("demo", "tiny")["step"] == 8 and curves.started("demo", "tiny") == 101.0
 
 
+def test_the_evaluators_rows_join_the_curves_under_one_cursor(tmp_path):
+    folder = tmp_path / "demo" / "trainer" / "tiny"
+    folder.mkdir(parents=True)
+    _lines(folder / "metrics.jsonl", [1, 2])
+    curves = Curves(tmp_path)
+    first = curves.since("demo", "tiny")
+    assert first["lines"] == 2 and "eval/add/reward_mean" not in first["series"]
+    evals = folder / "eval.jsonl"  # appears once the evaluator wrote the base weights' result
+    evals.write_text(json.dumps({"step": 0, "version": 0, "time": 50.0, "eval/add/reward_mean": 0.1,
+                                 "eval/add/results": [0, 1]}) + "\n")
+    second = curves.since("demo", "tiny", first["epoch"], first["lines"])
+    assert second["reset"], "a file that appears starts the columns over"
+    assert second["series"]["eval/add/reward_mean"] == [[0.0, 0.1]] and second["lines"] == 3
+    _lines(folder / "metrics.jsonl", [3])
+    with open(evals, "a") as f:
+        f.write(json.dumps({"step": 2, "version": 2, "time": 102.0, "eval/add/reward_mean": 0.4}) + "\n")
+    third = curves.since("demo", "tiny", second["epoch"], second["lines"])
+    assert not third["reset"] and third["lines"] == 5
+    assert third["series"] == {"train/loss": [[3.0, 1 / 3]], "eval/add/reward_mean": [[2.0, 0.4]]}
+    assert curves.latest("demo", "tiny")["step"] == 3, "the latest line is the trainer's"
+    assert curves.started("demo", "tiny") == 101.0, "the evaluator's rows do not move the start"
+
+
 @pytest.mark.parametrize("text", ["plain ascii words", "naïve café ü 🎉 日本語", "  spaces\n\nand\ttabs  "])
 def test_token_texts_join_to_the_decoded_sequence(tokenizer_dir, text):
     from transformers import AutoTokenizer

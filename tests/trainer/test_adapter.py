@@ -140,7 +140,7 @@ def test_jet_model_merge_writes_a_folder_transformers_loads(tiny_model, tmp_path
     from click.testing import CliRunner
     from transformers import AutoModelForCausalLM
 
-    from jet.models import cli
+    from jet.cli.model import cli
     from jet.trainer.weights import write_version
 
     cfg = TrainerConfig(lr=1e-2)

@@ -34,6 +34,22 @@ def same_python(python: str | None) -> bool:
     return os.path.abspath(found or python) == os.path.abspath(sys.executable)
 
 
+def in_process(tasks: list[TaskConfig], role: str) -> None:
+    """Make the workflows of `tasks` importable in this process, as an env worker finds them: each task's
+    `runtime.cwd` first on sys.path, the folder the role runs in last (roles start with -P, so that folder
+    never shadows an installed package). A task with its own `runtime.python` cannot run here: ConfigError."""
+    from jet.errors import ConfigError
+
+    for t in tasks:
+        if not same_python(t.runtime.python):
+            raise ConfigError(f"tasks.{t.name}.runtime.python: {t.runtime.python} is not this interpreter "
+                              f"({sys.executable}); {role}")
+        if t.runtime.cwd and t.runtime.cwd not in sys.path:
+            sys.path.insert(0, t.runtime.cwd)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def env_children(config_path: str, overrides, chosen: list[TaskConfig], apart: list[TaskConfig], processes: int,
                  slot: int, drain_timeout: float, shadow: bool, bank: int) -> list[Child]:
     """The supervisor's children of one generation: per slot, one process for the tasks of this

@@ -66,7 +66,6 @@ import functools
 import logging
 import os
 import socket
-import sys
 import time
 
 import anyio
@@ -88,7 +87,7 @@ from jet.workers.gateway.sessions import Episodes
 from jet.workers.rollout.episode import Outcome as Episode
 from jet.workers.rollout.episode import code_version, load_function, play, trajectories, warn_no_llm_calls
 from jet.workers.rollout.lanes import LIVE, SHADOW, Lane, leave_group
-from jet.workers.rollout.runtimes import check_runtime, env_children, same_python
+from jet.workers.rollout.runtimes import check_runtime, env_children, in_process, same_python
 
 log = logging.getLogger(__name__)
 
@@ -206,14 +205,7 @@ async def run(cfg: JetConfig, url: str, stop: anyio.Event, *, slot: int | str = 
     unknown = sorted(set(tasks) - {t.name for t in cfg.tasks})
     if unknown or not chosen:
         raise ConfigError(f"--task: unknown task(s) {unknown}" if unknown else "tasks: none configured")
-    for t in chosen:
-        if not same_python(t.runtime.python):
-            raise ConfigError(f"tasks.{t.name}.runtime.python: {t.runtime.python} is not this interpreter "
-                              f"({sys.executable}); start it with `jet worker env`, which runs it in its own process")
-        if t.runtime.cwd and t.runtime.cwd not in sys.path:
-            sys.path.insert(0, t.runtime.cwd)
-    if os.getcwd() not in sys.path:  # roles start with -P: workflows in the worker's folder are found,
-        sys.path.append(os.getcwd())  # last, so the folder never shadows an installed package
+    in_process(chosen, "start it with `jet worker env`, which runs it in its own process")
     tokenizers = Tokenizers({m.name: m.path for m in cfg.models})
     for model in {t.model for t in chosen}:  # load before the first episodes, not under their timeout
         await anyio.to_thread.run_sync(tokenizers.get, model)

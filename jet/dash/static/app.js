@@ -166,6 +166,7 @@ function deadLetters(s) {
 
 const CHARTS = [
   ["Reward", n => n === "rollout/reward_mean" || /^rollout\/.+\/reward_mean$/.test(n)],
+  ["Held-out evaluation (per evaluated version)", n => /^eval\/.+\/reward_mean$/.test(n)],
   ["Loss", n => n === "train/loss" || n === "train/pg_loss"],
   ["KL", n => n === "train/kl"],
   ["Clip fraction", n => n === "train/clip_frac"],

@@ -1,0 +1,88 @@
+"""The evaluator (jet.workers.evaluator) on the tiny model and the real Redis of the fixture: held-out
+episodes played with the task's own workflow (two turns, jet's client and the OpenAI SDK through the
+episode's gateway), greedy whatever the workflow asks; a broken row fails alone; versions followed
+from `weights:<model>`, the due ones secured, a lagging evaluator skipping to the newest and saying so,
+the final version evaluated last, and a restarted evaluator not evaluating a version twice."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import anyio
+import pytest
+
+from jet.llm import Tokenizers
+from jet.queues.connect import connect
+from jet.runs import RunDir, read_metrics
+from jet.wire import WeightVersion
+from jet.workers.evaluator.episodes import LocalClient, held_out_rows, play_rows
+from jet.workers.evaluator.worker import Evaluator, done_versions
+from jet.workers.inference.hf import HFBackend
+from tests.weights import perturbed_weights
+from tests.workers.conftest import MODEL, wait_for, write_config
+
+FLOW = "tests.workers.evaluator.flows:workflow"
+
+
+def config(tmp_path, tiny_model, rows: list[dict], *, every: int = 2, steps: int = 5):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path / "config.yaml", f"ev{uuid.uuid4().hex[:8]}", tiny_model,
+                       [{"name": "probe", "workflow": FLOW, "dataset": str(data), "episode_timeout_s": 30,
+                         "eval": {"dataset": str(data), "n": len(rows), "every": every, "concurrency": 4}}])
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"steps": steps})})
+
+
+@pytest.mark.anyio
+async def test_held_out_episodes_are_played_greedily_with_the_tasks_workflow(tmp_path, tiny_model):
+    rows = [{"q": f"What is {i} + {i}?"} for i in range(6)] + [{"q": "?", "fail": True}]
+    cfg = config(tmp_path, tiny_model, rows)
+    task = cfg.tasks[0]
+    assert held_out_rows(task) == rows
+    backend = HFBackend(tiny_model)
+    tokenizers = Tokenizers({MODEL: str(tiny_model)})
+    greedy = [await play_rows(cfg, task, rows, LocalClient(backend, tokenizers)) for _ in range(2)]
+    assert greedy[0].results == greedy[1].results, "greedy: the same tokens every time"
+    assert len(set(greedy[0].results[:6])) == 6, "each row its own two-turn dialogue"
+    assert greedy[0].results[6] == 0.0 and greedy[0].failed == 1, "the broken row scores 0, alone"
+    sampled = [await play_rows(cfg, task, rows, LocalClient(backend, tokenizers, greedy=False)) for _ in range(2)]
+    assert sampled[0].results[:6] != sampled[1].results[:6], "sampled as the workflow asks (temperature 1)"
+
+
+async def _evaluate(ev: Evaluator):
+    stop = anyio.Event()
+    with anyio.fail_after(120):
+        await ev.run(stop)
+
+
+@pytest.mark.anyio
+async def test_a_lagging_evaluator_skips_to_the_newest_due_version_then_ends_with_the_final_one(
+        tmp_path, tiny_model, redis_url, caplog):
+    # every evaluation takes > 1 s (a slow row), so versions 1..5, announced while the base is evaluated,
+    # wait together: 2 and 4 are due (every 2), 5 is the final one (trainer.steps 5); only 5 is evaluated
+    rows = [{"q": "one"}, {"q": "two", "sleep": 1.2}]
+    cfg = config(tmp_path, tiny_model, rows, every=2, steps=5)
+    run = RunDir.of(cfg)
+    r = await connect(redis_url)
+    try:
+        ev = Evaluator(cfg, MODEL, redis_url, HFBackend(tiny_model))
+        caplog.set_level(logging.INFO, logger="jet.workers.evaluator.worker")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_evaluate, ev)
+            await wait_for(lambda: ev.evaluating == 0, timeout=30)
+            for v in range(1, 6):
+                file, sha = perturbed_weights(tiny_model, run.weight_version(MODEL, v), seed=v, scale=0.01)
+                await r.xadd(ev.keys.weights(MODEL), WeightVersion(MODEL, v, str(file.parent), sha, v).to_fields())
+        lines = read_metrics(run.evals(MODEL))
+        assert [(x["version"], x["step"]) for x in lines] == [(0, 0), (5, 5)]
+        assert all(x["eval/probe/n"] == 2 and 0 <= x["eval/probe/reward_mean"] <= 1 for x in lines)
+        assert lines[0]["eval/probe/results"] != lines[1]["eval/probe/results"], "version 5's weights were loaded"
+        assert "skipping version(s) [2, 4] for the newest due, 5" in caplog.text
+        assert not (run.trainer(MODEL) / "eval-weights").exists(), "secured copies are removed"
+        # a restarted evaluator starts after what its file holds
+        assert done_versions(run.evals(MODEL)) == {0, 5}
+        assert Evaluator(cfg, MODEL, redis_url, HFBackend(tiny_model)).last_due == 5
+    finally:
+        await r.aclose()
