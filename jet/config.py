@@ -200,6 +200,8 @@ class EvalConfig(Section):
     every: PositiveInt = 10
     """Evaluate every N-th published version (versions); the base weights (version 0) and the run's final
     version are evaluated too. An evaluator that falls behind skips to the newest version due."""
+    base: bool = True
+    """Also evaluate the base weights (version 0) when the evaluator starts: the curve's first point."""
     greedy: bool = True
     """Decode every call of an evaluation episode greedily (temperature 0), whatever the workflow asks; false:
     sample as the workflow asks."""

@@ -27,7 +27,6 @@ running them (`jet up --episodes`).
 from __future__ import annotations
 
 import importlib
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -37,17 +36,8 @@ import click
 from jet.adapters import is_adapter
 from jet.errors import ConfigError
 from jet.runs import RunDir, weight_version_of
+from jet.stats import interval
 from jet.wire import WEIGHTS_FILE
-
-
-def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95% Wilson score interval of k successes in n trials."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def task_module(name: str) -> Any:
@@ -99,16 +89,6 @@ def load(spec: str, device: str, dtype: str = "float32") -> tuple[Any, Any, str]
     if version is not None:
         backend.load_weights(Path(spec), version=version[2])
     return backend, load_tokenizer(base), what
-
-
-def interval(results: list[float]) -> tuple[float, float]:
-    """95% interval of the mean result: Wilson's for 0/1 results, else the normal one (clipped to [0, 1])."""
-    n = len(results)
-    if all(r in (0, 1) for r in results):
-        return wilson(int(sum(results)), n)
-    mean = sum(results) / n
-    sd = math.sqrt(sum((r - mean) ** 2 for r in results) / max(1, n - 1))
-    return max(0.0, mean - 1.959964 * sd / math.sqrt(n)), min(1.0, mean + 1.959964 * sd / math.sqrt(n))
 
 
 def evaluate(spec: str, task: str, n: int = 100, *, seed: int = 0, device: str = "cpu", batch: int = 16,

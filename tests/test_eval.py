@@ -7,7 +7,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from jet.eval import cli, evaluate, published_version, task_module, wilson
+from jet.eval import cli, evaluate, published_version, task_module
+from jet.stats import wilson
 from jet.tasks import add, dataset
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jet.eval import evaluate, interval, play
+from jet.eval import evaluate, play
+from jet.stats import interval
 from jet.tasks import dataset, tally
 
 
@@ -72,7 +73,7 @@ def test_eval_plays_every_turn_and_continues_after_wrong_answers():
 
 
 def test_the_interval_is_wilsons_for_0_1_results_and_normal_for_fractions():
-    from jet.eval import wilson
+    from jet.stats import wilson
 
     assert interval([1, 0, 0, 1]) == wilson(2, 4)
     lo, hi = interval([0.25, 0.5, 0.25, 0.0])

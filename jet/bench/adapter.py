@@ -374,8 +374,8 @@ def table(report: dict):
 
 
 @click.command()
-@click.option("--model", "model_spec", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, converted once).")
-@click.option("--cache", default="~/.cache/jet-bench/smollm2", show_default=True, help="Where the default model goes.")
+@click.option("--model", "model_spec", default="builtin:smollm2", show_default=True,
+              help="HF model folder, Hub id, or builtin:smollm2 (SmolLM2-135M-Instruct, converted once).")
 @click.option("--r", "rank", type=click.IntRange(1), default=16, show_default=True, help="LoRA rank.")
 @click.option("--alpha", type=float, default=32.0, show_default=True)
 @click.option("--targets", default="all-linear", show_default=True, help="'all-linear' or comma-separated module names.")
@@ -396,14 +396,13 @@ def table(report: dict):
               help="Team: tokens generated per request.")
 @click.option("--quick", is_flag=True, help="A small workload (tests).")
 @click.option("--json", "as_json", is_flag=True)
-def cli(model_spec, cache, rank, alpha, targets, groups, group_size, prompt, turns, repeats, threads, team_n, team_only,
+def cli(model_spec, rank, alpha, targets, groups, group_size, prompt, turns, repeats, threads, team_n, team_only,
         serve_requests, serve_prompt, serve_tokens, quick, as_json):
     """A LoRA adapter against full training: step time, bytes per version and checkpoint, the Redis path."""
     say = progress(as_json)
-    if model_spec is None:
-        from jet.bench.trl import default_model
+    from jet.sources import resolve_model
 
-        model_spec = str(default_model(Path(cache).expanduser()))
+    model_spec = resolve_model(model_spec, "--model")
     p = {"groups": groups, "group_size": group_size, "prompt": prompt, "turns": turns, "completion": 12, "reply": 8,
          "micro_batch_tokens": 8192}
     team_p = {"requests": serve_requests, "prompt": serve_prompt, "tokens": serve_tokens}

@@ -4,19 +4,27 @@ What it is: the arms of `jet.bench.trl_arms` (`jet`: Jet as a user gets it; `jet
 training sample per LLM call; `trl`: TRL's GRPOTrainer; `jet-lora`: `jet` training a LoRA adapter at
 `--lora-lr`), each trained for `--budget-s` seconds from its launch, `--repeats` times in alternating
 order (repeat 1: jet, jet-flat, trl; repeat 2: trl, jet-flat, jet; ...), so a machine that slows down
-during the bench weighs on every arm alike. Every setting the sides share comes from one `Shared`
-(`jet.bench.trl_arms`); what they cannot share is listed (`UNMATCHED`); jet-lora's adapter settings are
-Jet's alone (`Lora`). Then the base model and every run's final weights (jet-lora's: its adapter version
-on the base) are evaluated greedily on the same held-out rows (`jet.eval.evaluate`; multi-turn tasks
-play their dialogues).
+during the bench weighs on every arm alike. Repeat r runs every arm with seed `--seed` + r (the rows'
+order, TRL's sampling, the adapter's initial weights): the comparison is paired by seed. Every setting
+the sides share comes from one `Shared` (`jet.bench.trl_arms`); what they cannot share is listed
+(`UNMATCHED`); jet-lora's adapter settings are Jet's alone (`Lora`).
 
-Reported: each run (its order, trajectories per minute, completion / forwarded / prefilled tokens per
-trajectory, reward curve, peak RSS, the load average while it ran, held-out result); per arm the means;
-the ratios jet/trl, jet/jet-flat, jet-lora/jet, ... of trajectories per minute per repeat, their mean
-and a 95% t interval over repeats; held-out results against the base and between arms with paired tests
-on the same rows (exact McNemar for 0/1 results, Wilcoxon signed-rank for fractional ones; per row the
-mean over repeats); the torch / transformers / trl versions of both sides. `--json` prints it all,
-`--out DIR` keeps the runs, logs, report.json and a PNG.
+Time to accuracy (`jet.bench.trl_curves`): while a run is timed, its weights are kept at marks every
+`--mark-every-s` seconds (Jet: the version published by then; TRL: a callback); after every run, the base
+model and every mark are evaluated greedily on the same held-out rows (`jet.eval.evaluate`; multi-turn
+tasks play their dialogues), so no evaluation perturbs a timed run.
+
+Reported: each run (its order and seed, trajectories per minute, completion / forwarded / prefilled
+tokens per trajectory, reward curve, peak RSS, the load average while it ran, its accuracy curve); per
+arm the means; the ratios jet/trl, jet/jet-flat, jet-lora/jet, ... of trajectories per minute per repeat,
+their mean and a 95% t interval over repeats; time to accuracy per seed and over seeds (the time each
+side took to reach TRL's final accuracy and the base plus half of TRL's gain, the accuracy at TRL's
+budget and the area under the accuracy-against-time curve, each paired by seed: mean differences with t
+intervals and Wilcoxon p over seeds, median time ratios with bootstrap intervals), per arm the mean curve
+with a 95% band; and, as a second line, the held-out results at the budget against the base and between
+arms with paired tests on the same rows (exact McNemar for 0/1 results, Wilcoxon signed-rank for
+fractional ones; per row the mean over repeats); the torch / transformers / trl versions of both sides.
+`--json` prints it all, `--out DIR` keeps the runs, logs, report.json and the PNGs.
 
 What it is not: a study. The interval is over the repeats run here, on this machine.
 
@@ -37,48 +45,8 @@ from pathlib import Path
 import click
 
 from jet.bench import emit, progress
+from jet.stats import mean_interval, rows_paired
 from jet.bench.trl_arms import ARMS, LORA_LR_FACTOR, MAPPING, Lora, Shared, run_arm, write_rows
-from jet.convert import SMOLLM2_WHEEL
-
-# ---- statistics
-
-
-def sign_test(b: int, c: int) -> float:
-    """Exact two-sided McNemar p-value: the binomial(b + c, 1/2) sign test on the discordant pairs."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
-
-
-def paired(x: list[float], y: list[float]) -> dict:
-    """A paired test of per-row results of the same rows: McNemar when every result is 0/1 (b = x right y
-    wrong, c = x wrong y right), else Wilcoxon signed-rank on y - x."""
-    if len(x) != len(y):
-        raise ValueError(f"paired results differ in length ({len(x)} vs {len(y)})")
-    if all(v in (0, 1) for v in (*x, *y)):
-        b = sum(1 for i, j in zip(x, y) if i and not j)
-        c = sum(1 for i, j in zip(x, y) if j and not i)
-        return {"test": "mcnemar", "x_only": b, "y_only": c, "p": sign_test(b, c)}
-    from jet.study.stats import wilcoxon_p
-
-    diffs = [j - i for i, j in zip(x, y)]
-    return {"test": "wilcoxon", "mean_diff": sum(diffs) / len(diffs), "p": wilcoxon_p(diffs)}
-
-
-def mean_interval(values: list[float]) -> dict:
-    """Mean and 95% t interval (None with fewer than two values)."""
-    n = len(values)
-    mean = sum(values) / n if n else None
-    if n < 2:
-        return {"mean": mean, "ci95": None, "n": n}
-    from scipy import stats
-
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
-    return {"mean": mean, "ci95": [mean - half, mean + half], "n": n}
-
 
 def order_of(arms: list[str], repeat: int) -> list[str]:
     """Repeat 0 runs the arms in order, repeat 1 reversed, and so on."""
@@ -110,13 +78,6 @@ def versions_of(python: str) -> dict:
     return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr.strip()[-200:]}
 
 
-def default_model(cache: Path) -> str:
-    """SmolLM2-135M-Instruct as a float32 folder: the package-index wheel's GGUF, converted once (jet/convert.py)."""
-    from jet.convert import smollm2
-
-    return str(smollm2(cache)[1])
-
-
 UNMATCHED = {  # setting: (Jet, TRL), printed as the difference between the sides
     "staleness": ("asynchronous: a trajectory may be up to max_staleness versions old, decoupled objective "
                   "(trainer.objective) with a capped importance weight", "on-policy: each step trains on "
@@ -128,21 +89,6 @@ UNMATCHED = {  # setting: (Jet, TRL), printed as the difference between the side
     "episode token budget": ("max_tokens per model turn", "max_tokens per turn, and max_completion_length over "
                              "the whole episode (trl_side.completion_budget)"),
 }
-
-
-def evaluate_all(model: str, runs: list[dict], s: Shared, eval_n: int, say) -> dict:
-    """Greedy results of the base model and of every run's weights on the same `eval_n` held-out rows."""
-    from jet.eval import evaluate
-
-    def one(spec: str, name: str) -> dict:
-        say(f"eval: {name} on {eval_n} held-out rows")
-        r = evaluate(spec, s.task, eval_n, device=s.device, max_tokens=s.max_tokens)
-        return {k: r[k] for k in ("n", "correct", "accuracy", "ci95", "results", "seconds")}
-
-    base = one(model, "base")
-    for run in runs:
-        run["eval"] = one(run["weights"], f"{run['arm']} (repeat {run['repeat'] + 1})")
-    return base
 
 
 def summarise(runs: list[dict], base: dict, arms: list[str]) -> dict:
@@ -165,10 +111,10 @@ def summarise(runs: list[dict], base: dict, arms: list[str]) -> dict:
             ratios[f"{num}/{den}"] = {k: {"per_repeat": v, **mean_interval(v)} for k, v in pairs.items() if v}
     per_row = {a: [sum(col) / len(col) for col in zip(*[r["eval"]["results"] for r in rs])]
                for a, rs in by_arm.items() if rs}
-    tests = {f"{a}_vs_base": paired(base["results"], per_row[a]) for a in per_row}
+    tests = {f"{a}_vs_base": rows_paired(base["results"], per_row[a]) for a in per_row}
     for x, y in [("trl", "jet"), ("jet-flat", "jet"), ("trl", "jet-flat"), ("jet", "jet-lora")]:
         if x in per_row and y in per_row:
-            tests[f"{y}_vs_{x}"] = paired(per_row[x], per_row[y])
+            tests[f"{y}_vs_{x}"] = rows_paired(per_row[x], per_row[y])
     return {"arms": arm_means, "ratios": ratios, "paired": tests}
 
 
@@ -231,6 +177,7 @@ def table(report: dict):
         for key, v in values.items():
             ci = f", 95% CI {v['ci95'][0]:.2f}-{v['ci95'][1]:.2f}" if v["ci95"] else ""
             lines.append(f"{pair} {key}: {v['mean']:.2f}x{ci} (per repeat {[round(x, 2) for x in v['per_repeat']]})")
+    lines += time_to_accuracy_lines(report)
     lines.append(f"base held-out: {report['base']['accuracy']:.3f} (95% CI {report['base']['ci95'][0]:.3f}-"
                  f"{report['base']['ci95'][1]:.3f}) on {report['base']['n']} rows")
     lines += [f"paired {k}: {v}" for k, v in summary["paired"].items()]
@@ -244,21 +191,51 @@ def table(report: dict):
     return Group(t, "\n".join(lines))
 
 
+def time_to_accuracy_lines(report: dict) -> list[str]:
+    """The time-to-accuracy comparisons, a few lines each (over seeds; intervals 95%)."""
+    def ci(v: dict) -> str:
+        return f"95% CI {v['ci95'][0]:+.3f} to {v['ci95'][1]:+.3f}" if v.get("ci95") else "no interval"
+
+    def share(v: dict) -> str:
+        lo, hi = v.get("ci95") or (None, None)
+        fmt = lambda x: "not reached" if x is None or x == math.inf else f"{x:.2f}"  # noqa: E731
+        return f"{fmt(v.get('median'))} (95% CI {fmt(lo)} to {fmt(hi)})"
+
+    out = []
+    for name, c in (report.get("time_to_accuracy") or {}).items():
+        if name == "bands" or not c.get("pairs"):
+            continue
+        arm = name.removesuffix("_vs_trl")
+        out += [f"time to accuracy, {arm} vs trl over {c['pairs']} seeds:",
+                f"  accuracy at TRL's budget, {arm} - trl: {c['final_diff']['mean']:+.3f} ({ci(c['final_diff'])}, "
+                f"Wilcoxon p {c['final_diff']['wilcoxon_p']:.3g})",
+                f"  area under accuracy-against-time, {arm} - trl: {c['area_diff']['mean']:+.3f} "
+                f"({ci(c['area_diff'])}, Wilcoxon p {c['area_diff']['wilcoxon_p']:.3g})"]
+        for target, words in (("final", "TRL's final accuracy"), ("half_gain", "base + half of TRL's gain")):
+            out.append(f"  time to {words}: {arm} takes {share(c[f'time_share_of_budget_{target}'])} of the budget; "
+                       f"{arm}/trl time {share(c[f'time_ratio_{target}'])} (median over seeds; "
+                       f"{c[f'not_reached_{target}']} seed(s) not reached)")
+    return out
+
+
 @click.command("trl")
 @click.option("--task", type=click.Choice(["add", "tally"]), default="add", show_default=True,
               help="A built-in task with a held-out split: add (one turn) or tally (four turns).")
 @click.option("--arms", default=None, help=f"Comma-separated, of {', '.join(ARMS)} (default: jet,trl for add, "
                                            "jet,jet-flat,trl for tally).")
-@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
-              help="Runs per arm, the order alternating from repeat to repeat.")
-@click.option("--model", "model_spec", default=None,
-              help=f"Model folder or Hub id. Default: {SMOLLM2_WHEEL}'s SmolLM2-135M-Instruct, converted once "
-                   "into --cache.")
-@click.option("--cache", default="~/.cache/jet-bench/smollm2", show_default=True, help="Where the default model goes.")
+@click.option("--repeats", type=click.IntRange(1), default=4, show_default=True,
+              help="Runs per arm, the order alternating from repeat to repeat; repeat r uses seed --seed + r.")
+@click.option("--model", "model_spec", default="builtin:smollm2", show_default=True,
+              help="Model folder, Hub id, or builtin:smollm2 (SmolLM2-135M-Instruct from the package index, "
+                   "converted once).")
 @click.option("--budget-s", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Wall-clock seconds per run, from its launch to its stop.")
+@click.option("--mark-every-s", type=click.FloatRange(min=1), default=None,
+              help="Keep each run's weights every this many seconds for the accuracy curve (default: a tenth "
+                   "of --budget-s); the budget's end is always a mark.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, ... (every arm and the evals).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Training seed of every arm.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the first repeat (rows' order, sampling, initial adapter); repeat r uses seed + r.")
 @click.option("--eval-n", type=click.IntRange(1), default=100, show_default=True, help="Held-out rows evaluated.")
 @click.option("--group-size", type=click.IntRange(2), default=8, show_default=True,
               help="Completions per prompt (TRL's num_generations).")
@@ -282,21 +259,28 @@ def table(report: dict):
 @click.option("--trl-generation", type=click.Choice(["generate", "continuous"]), default="generate", show_default=True,
               help="TRL's generation: transformers generate, or its continuous batching "
                    "(use_transformers_continuous_batching).")
+@click.option("--trl-micro-batches", type=click.IntRange(1), default=None,
+              help="TRL's gradient accumulation steps per optimiser step (default: 1 on a single-turn task, "
+                   "one per group on a multi-turn one, where the whole batch in one forward does not fit in 24 GB).")
 @click.option("--out", "out_dir", default=None, help="Keep runs, logs, report.json and reward.png here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def cli(task, arms, repeats, model_spec, cache, budget_s, device, seed, eval_n, group_size, batch_groups, lr,
+def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, eval_n, group_size, batch_groups, lr,
         lora_r, lora_alpha, lora_lr, max_tokens, temperature, max_staleness, jet_threads, trl_python, trl_generation,
-        out_dir, as_json) -> None:
-    """Jet against TRL's GRPOTrainer: same model, task, settings and wall-clock budget, repeated."""
+        trl_micro_batches, out_dir, as_json) -> None:
+    """Jet against TRL's GRPOTrainer: same model, task, settings and wall-clock budget, repeated on paired seeds."""
+    import dataclasses
     import tempfile
 
     import jet.eval
+    from jet.bench import trl_curves
+    from jet.sources import resolve_model
 
     say = progress(as_json)
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="jet-bench-trl-"))
     out.mkdir(parents=True, exist_ok=True)
-    model = model_spec or default_model(Path(cache).expanduser())
+    model = resolve_model(model_spec, "--model")
     model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().is_dir() else model
+    marks = trl_curves.mark_times(budget_s, mark_every_s or budget_s / 10)
     module = jet.eval.task_module(task)
     chosen = [a.strip() for a in arms.split(",")] if arms else (["jet", "trl"] if task == "add"
                                                                 else ["jet", "jet-flat", "trl"])
@@ -316,28 +300,34 @@ def cli(task, arms, repeats, model_spec, cache, budget_s, device, seed, eval_n, 
     python, skipped = trl_interpreter(trl_python) if "trl" in chosen else (None, None)
     if python is None and "trl" in chosen:
         chosen.remove("trl")
-    rows = write_rows(s, out / "rows.jsonl")
     runs = []
     for repeat in range(repeats):
+        sr = dataclasses.replace(s, seed=seed + repeat)  # every arm of this repeat: the same seed
+        rows = write_rows(sr, out / f"rows-seed{sr.seed}.jsonl")
         for position, arm in enumerate(order_of(chosen, repeat)):
-            run = run_arm(arm, s, model, rows, out / f"r{repeat + 1}-{arm}", budget_s, threads=threads,
+            run = run_arm(arm, sr, model, rows, out / f"r{repeat + 1}-{arm}", budget_s, threads=threads,
                           max_staleness=max_staleness, trl_python=python, generation=trl_generation, say=say,
-                          lora=lora)
-            runs.append({"arm": arm, "repeat": repeat, "position": position, **run})
+                          lora=lora, marks_s=marks, micro_batches=trl_micro_batches)
+            runs.append({"arm": arm, "repeat": repeat, "position": position, "seed": sr.seed, **run})
     runs.sort(key=lambda r: (r["repeat"], r["position"]))
-    base = evaluate_all(model, runs, s, eval_n, say)
+    base = trl_curves.evaluate_marks(model, runs, task, eval_n, device, s.max_tokens, say)
     versions = {"jet": versions_of(sys.executable), **({"trl": versions_of(python)} if python else {})}
     report = {"model": model, "task": task, "shared": s.as_dict(), "mapping": MAPPING, "budget_s": budget_s,
-              "repeats": repeats, "arms": chosen, "max_staleness": max_staleness, "threads": threads,
+              "repeats": repeats, "seeds": [seed + r for r in range(repeats)], "marks_s": marks, "arms": chosen,
+              "max_staleness": max_staleness, "threads": threads,
               "lora": lora.as_dict() if "jet-lora" in chosen else None,
               "trl_generation": trl_generation, "versions": versions, "runs": runs, "base": base,
               "summary": summarise(runs, base, chosen), "unmatched": UNMATCHED,
+              "time_to_accuracy": {"bands": trl_curves.bands(runs, chosen),
+                                   **{f"{a}_vs_trl": trl_curves.compare(runs, base, a, budget_s)
+                                      for a in chosen if a != "trl" and "trl" in chosen}},
               "skipped": [f"trl arm skipped: {skipped}"] if skipped else []}
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    try:
-        plot(report, out / "reward.png")
-        report["plot"] = str(out / "reward.png")
-    except Exception as e:  # noqa: BLE001 - a plot that fails must not hide the numbers
-        say(f"plot not written: {e}")
+    for name, draw in (("reward.png", plot), ("accuracy.png", trl_curves.plot)):
+        try:
+            draw(report, out / name)
+            report.setdefault("plots", []).append(str(out / name))
+        except Exception as e:  # noqa: BLE001 - a plot that fails must not hide the numbers
+            say(f"{name} not written: {e}")
     report["out"] = str(out)
     emit(report, as_json, table)

@@ -26,17 +26,13 @@ from pathlib import Path
 
 import orjson
 
+from jet import stats
+
 FILES = {"results": "results.csv", "decisions": "decisions.jsonl", "report": "report.md"}
 ARM_COLUMNS = ("arm", "arm_id", "trial", "params")  # the first present names a run's arm
 SEED_COLUMNS = ("seed",)
 STEP_COLUMNS = ("step", "steps")
 MAX_ROWS = 5000
-
-# two-sided 97.5% quantiles of Student's t for 1..30 degrees of freedom; 1.96 beyond
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042]
-
 
 def studies(root: Path) -> list[dict]:
     root = Path(root)
@@ -73,15 +69,11 @@ def _number(x: str) -> float | None:
 
 
 def interval(values: list[float]) -> dict:
-    """{n, mean, lo, hi}: a 95% Student-t interval of the mean (lo = hi = mean for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return {"n": n, "mean": mean, "lo": mean, "hi": mean}
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
-    half = t * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "lo": mean - half, "hi": mean + half}
+    """{n, mean, lo, hi}: the mean and its 95% Student-t interval (`jet.stats.mean_interval`; lo = hi = mean
+    for one value)."""
+    m = stats.mean_interval(values)
+    lo, hi = m["ci95"] or (m["mean"], m["mean"])
+    return {"n": m["n"], "mean": m["mean"], "lo": lo, "hi": hi}
 
 
 def _summaries(columns: list[str], rows: list[dict]) -> tuple[str | None, dict, dict]:

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from jet.study import stats
+from jet import stats
 from jet.study.messages import COUNTED, RunResult
 from jet.study.plan import Arm
 from jet.study.spec import Study, arm_label

@@ -32,7 +32,7 @@ def _load(target: str, overrides: tuple[str, ...], studies_dir: str):
         if target.startswith("builtin:"):
             builtin = Path(__file__).parent / "builtin" / f"{target.split(':', 1)[1]}.yaml"
             if not builtin.is_file():
-                names = sorted(p.stem for p in builtin.parent.glob("*.yaml") if p.stem != "guess")
+                names = sorted(p.stem for p in builtin.parent.glob("*.yaml") if "\nhypotheses:" in p.read_text())
                 raise click.UsageError(f"no built-in study {target!r}; built-in: {', '.join(names)}")
             return load_study(builtin, overrides)
         if Path(target).is_file():

@@ -19,7 +19,7 @@ Grids are planned by enqueueing every point in a fixed order (Optuna's
 GridSampler would pick enqueued points again); a sampled arm equal to an
 existing one is told PRUNED as a duplicate and asked again.
 
-What it is not: the statistics (jet.study.stats) or the run ledger (jet.study.ledger).
+What it is not: the statistics (jet.stats) or the run ledger (jet.study.ledger).
 """
 
 from __future__ import annotations

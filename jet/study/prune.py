@@ -2,7 +2,7 @@
 
 What it is: `decide(curves, candidates, protected, pruned, rule)` is a pure
 function. At each rung r (a trainer step), an arm's value is its curves'
-summary cut at step r (`jet.study.stats.summarise`, so 'final' is the mean of
+summary cut at step r (`jet.stats.summarise`, so 'final' is the mean of
 the `window` steps up to r), per seed that has reached r. Among the arms with
 at least `min_seeds` seeds at the rung, the best ceil(n / eta) by mean value
 go on (successive halving); an arm below them is pruned only when it is also
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jet.study.stats import summarise
+from jet.stats import summarise
 
 Curves = dict[int, dict[int, list[tuple[int, float]]]]  # arm -> seed -> [(step, value)]
 

@@ -14,16 +14,16 @@ durable storage, so `jet study report` redraws it any time):
   over wall time, by status, with the prune decisions marked).
 decisions.jsonl is written by the state as it decides.
 
-What it is not: the statistics (jet.study.stats / analysis).
+What it is not: the statistics (jet.stats, jet.study.analysis).
 """
 
 from __future__ import annotations
 
 import csv
-import math
 import time
 from pathlib import Path
 
+from jet import stats
 from jet.study import analysis
 from jet.study.analysis import fmt
 
@@ -76,14 +76,8 @@ def progress_line(state) -> str:
 
 def _mean_ci(values: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95% t-interval (0 for one value)."""
-    from scipy import stats
-
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    m = stats.mean_interval(values)
+    return m["mean"], (m["ci95"][1] - m["mean"]) if m["ci95"] else 0.0
 
 
 def smoothed(curve: list[tuple[int, float]], window: int) -> dict[int, float]:
@@ -137,7 +131,7 @@ def forest_png(state, verdicts, path: Path) -> None:
         lo, hi = e.ci
         ax.errorbar([e.mean], [i], xerr=[[e.mean - lo], [hi - e.mean]], fmt="o", capsize=4,
                     color=COLORS[v.verdict])
-        ax.axvline(analysis.stats.point(v.claim, v.margin), color=COLORS[v.verdict], ls=":", lw=0.8)
+        ax.axvline(stats.point(v.claim, v.margin), color=COLORS[v.verdict], ls=":", lw=0.8)
     ax.axvline(0.0, color="black", lw=0.8)
     ax.set_yticks(range(len(verdicts)), [f"{v.name}\n{v.verdict} (n={len(v.evidence.diffs)})" for v in verdicts],
                   fontsize=8)

@@ -108,7 +108,8 @@ class Param(_Strict):
 
 
 class Metric(_Strict):
-    # Metric of the trainer's metrics.jsonl compared across arms (e.g. rollout/reward_mean).
+    # Metric compared across arms: a name of the trainer's metrics.jsonl (e.g. rollout/reward_mean), or an
+    # evaluator's held-out result (eval/<task>/reward_mean: tasks[].eval, one point per evaluated version).
     name: str = "rollout/reward_mean"
     # Trained model whose metrics count; None = the config's first trainable model.
     model: str | None = None

@@ -3,7 +3,7 @@
 What it is: a role beside the trainer, on any machine that reaches the run's Redis (and the run folder,
 for full weights; an adapter model's versions also come through Redis). It follows `weights:<model>`
 with plain XREAD (fan-out, like an inference worker) and evaluates, on a backend of its own:
-- the base weights (version 0) when it starts, unless already evaluated;
+- the base weights (version 0) when it starts, unless already evaluated (or `eval.base` is false);
 - every version at least `tasks[].eval.every` versions after the last one evaluated;
 - the run's final version (its step is the last `trainer.steps` publishes), after which it exits 0.
 For each it plays every evaluated task's held-out rows with the task's own workflow and reward
@@ -188,8 +188,9 @@ class Evaluator:
 
     async def _follow(self, r, rb) -> None:
         """Read every announcement from the start of the stream; secure each version that is due."""
-        if 0 not in self.done and self.last_due < 0:
+        if 0 not in self.done and self.last_due < 0 and any(t.eval.base for t in self.tasks):
             self._put(Due(0, 0, time.time(), None, None, False))
+        self.last_due = max(self.last_due, 0)
         stream, last, previous = self.keys.weights(self.model), "0-0", None
         while True:
             try:

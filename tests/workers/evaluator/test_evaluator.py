@@ -86,3 +86,40 @@ async def test_a_lagging_evaluator_skips_to_the_newest_due_version_then_ends_wit
         assert Evaluator(cfg, MODEL, redis_url, HFBackend(tiny_model)).last_due == 5
     finally:
         await r.aclose()
+
+
+def test_jet_worker_eval_names_what_is_missing(tmp_path, tiny_model):
+    from click.testing import CliRunner
+
+    from jet.workers.cli import worker
+
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(f"models: [{{name: tiny, path: {tiny_model}}}]\n"
+                     "tasks: [{name: guess, workflow: 'jet.tasks.guess:workflow', dataset: guess}]\n")
+    res = CliRunner().invoke(worker, ["eval", "--config", str(plain), "--model", "tiny"])
+    assert res.exit_code == 1 and "no task of model 'tiny' has an `eval` section (tasks[].eval)" in res.output
+    res = CliRunner().invoke(worker, ["eval", "--config", str(plain), "--model", "other"])
+    assert res.exit_code == 2 and "unknown model 'other'" in res.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(plain.read_text().replace("dataset: guess}", "dataset: guess, eval: {n: 0}}"))
+    res = CliRunner().invoke(worker, ["eval", "--config", str(bad), "--model", "tiny"])
+    assert res.exit_code == 1 and "tasks[0].eval.n" in res.output
+
+
+def test_held_out_rows_come_from_a_built_in_split_or_a_file(tmp_path):
+    from jet.config import load
+    from jet.errors import ConfigError
+    from jet.tasks.add import is_eval
+
+    def task(train: str = "add", **ev):
+        return load({"models": [{"name": "m", "path": "x"}], "tasks": [
+            {"name": "t", "workflow": "jet.tasks.add:workflow", "dataset": train, "eval": ev}]}).tasks[0]
+
+    rows = held_out_rows(task(n=30, seed=1))
+    assert len(rows) == 30 and all(is_eval(r["a"], r["b"]) for r in rows), "add's own held-out split"
+    assert held_out_rows(task(n=30, seed=1)) == rows and held_out_rows(task(n=30, seed=2)) != rows
+    with pytest.raises(ConfigError, match=r"tasks.t.dataset: 'guess' has no built-in held-out split"):
+        held_out_rows(task("guess"))
+    file = tmp_path / "rows.jsonl"
+    file.write_text('{"a": 1}\n{"a": 2}\n{"a": 3}\n')
+    assert held_out_rows(task("guess", dataset=str(file), n=2)) == [{"a": 1}, {"a": 2}]

@@ -1,4 +1,4 @@
-"""The study statistics against values computed by hand (the working is in the comments)."""
+"""jet.stats against values computed by hand (the working is in the comments)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jet.study import stats
+from jet import stats
 
 
 def test_summaries():
@@ -94,3 +94,68 @@ def test_verdicts():
     e = stats.evidence([0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0], "better", 0.0)
     assert e.p == pytest.approx(2 / 16) and stats.judge(e, e.p, "better", 0.0, 0.05) == "inconclusive"
     assert math.isnan(stats.evidence([], [], "better", 0.0).mean)
+
+
+def test_sign_test_matches_hand_computed_binomial_tails():
+    assert stats.sign_test(0, 0) == 1.0  # no discordant pair: no evidence either way
+    assert stats.sign_test(0, 1) == 1.0  # 2 * P(X <= 0 | n=1) = 2 * 1/2
+    assert stats.sign_test(0, 5) == pytest.approx(2 / 32)  # 2 * (1/2)^5 = 0.0625: five to none is not p < 0.05
+    assert stats.sign_test(0, 6) == pytest.approx(2 / 64)  # 0.03125
+    assert stats.sign_test(1, 9) == pytest.approx(2 * (1 + 10) / 1024)  # 2 * (C(10,0) + C(10,1)) / 2^10 = 0.021484375
+    assert stats.sign_test(9, 1) == stats.sign_test(1, 9)  # two-sided: symmetric
+    assert stats.sign_test(3, 3) == 1.0  # 2 * P(X <= 3 | n=6) = 2 * 42/64 > 1, capped
+    assert stats.sign_test(2, 8) == pytest.approx(2 * (1 + 10 + 45) / 1024)  # 0.109375
+    tail = sum(math.comb(30, i) for i in range(11)) / 2 ** 30
+    assert stats.sign_test(10, 20) == pytest.approx(2 * tail)  # 0.0987...
+
+
+def test_rows_paired_counts_only_discordant_rows():
+    x = [1, 1, 0, 0, 1, 0, 1]
+    y = [1, 0, 1, 1, 1, 1, 0]
+    assert stats.rows_paired(x, y) == {"test": "mcnemar", "x_only": 2, "y_only": 3,
+                                       "p": pytest.approx(stats.sign_test(2, 3))}
+    with pytest.raises(ValueError, match="length"):
+        stats.rows_paired([1], [1, 0])
+
+
+def test_fractional_rows_get_a_wilcoxon_test():
+    from scipy import stats as sp
+
+    x, y = [0.0, 0.25, 0.5, 0.25, 0.0, 0.75], [0.25, 0.5, 0.5, 0.75, 0.25, 1.0]
+    p = stats.rows_paired(x, y)
+    assert p["test"] == "wilcoxon" and p["mean_diff"] == pytest.approx(0.25)
+    assert p["p"] == pytest.approx(sp.wilcoxon([0.25, 0.25, 0.5, 0.25, 0.25], method=sp.PermutationMethod(
+        n_resamples=32)).pvalue)
+
+
+def test_t_intervals_and_the_t_table():
+    from scipy import stats as sp
+
+    m = stats.mean_interval([1.0, 2.0, 3.0])
+    assert m["mean"] == 2.0 and m["ci95"] == pytest.approx([2 - 4.302653 / math.sqrt(3), 2 + 4.302653 / math.sqrt(3)],
+                                                           abs=1e-5)  # the table holds 6 digits
+    assert stats.mean_interval([5.0]) == {"mean": 5.0, "ci95": None, "n": 1}
+    assert stats.mean_interval([]) == {"mean": None, "ci95": None, "n": 0}
+    for df in [*range(1, 40), 60, 100, 1000]:
+        assert stats.t975(df) == pytest.approx(float(sp.t.ppf(0.975, df)), abs=1e-4), df
+
+
+def test_wilson_and_the_interval_of_one_evaluation():
+    assert stats.interval([]) == (0.0, 1.0)
+    assert stats.interval([1, 0, 0, 1]) == stats.wilson(2, 4)
+    lo, hi = stats.interval([0.5, 0.5])  # fractions, no spread: the normal interval is the point
+    assert lo == hi == 0.5
+
+
+def test_the_median_and_its_order_statistic_interval():
+    # n = 4: P(all 4 on one side of the median) = 2/16, so the widest interval [x1, x4] covers 87.5%, and no
+    # narrower one reaches 95%: the range is reported with its coverage
+    m = stats.median_interval([4.0, 1.0, 3.0, 2.0])
+    assert m == {"median": 2.5, "ci95": [1.0, 4.0], "coverage": 0.875, "n": 4}
+    # n = 9: k = 2 gives 1 - 2 P(B(9, 1/2) < 2) = 1 - 2 * 10/512 = 0.9609 >= 0.95; k = 3: 1 - 2 * 46/512 < 0.95
+    m = stats.median_interval([float(v) for v in range(1, 10)])
+    assert m["median"] == 5.0 and m["ci95"] == [2.0, 8.0] and m["coverage"] == pytest.approx(1 - 20 / 512)
+    # a time never reached within a budget is inf: the median is finite while fewer than half are
+    assert stats.median_interval([1.0, 2.0, math.inf])["median"] == 2.0
+    assert stats.median_interval([1.0, math.inf, math.inf])["median"] == math.inf
+    assert stats.median_interval([])["median"] is None
