@@ -63,6 +63,7 @@ def main(log_level: str) -> None:
             "train"),
         "client": ("jet.bench.client:cli", "Env worker memory: idle and with episodes in flight (client nodes).",
             "infer"),
+        "evaluator": ("jet.bench.evaluator:cli", "Training steps/min with the held-out evaluator on vs off.", "train"),
     },
 )
 def bench() -> None:

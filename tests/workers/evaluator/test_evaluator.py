@@ -123,3 +123,23 @@ def test_held_out_rows_come_from_a_built_in_split_or_a_file(tmp_path):
     file = tmp_path / "rows.jsonl"
     file.write_text('{"a": 1}\n{"a": 2}\n{"a": 3}\n')
     assert held_out_rows(task("guess", dataset=str(file), n=2)) == [{"a": 1}, {"a": 2}]
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_on_a_real_model_the_evaluator_agrees_with_jet_eval_row_by_row(smollm2):
+    """The evaluator plays `add` through its workflow (the OpenAI SDK, the gateway's chat template) and
+    `jet eval` through the task's module (its own rendering): on SmolLM2 they score every row alike."""
+    from jet.config import load
+    from jet.eval import evaluate
+    from jet.tokenizer import load_tokenizer
+
+    path = str(smollm2[1])
+    cfg = load({"models": [{"name": "policy", "path": path}], "tasks": [
+        {"name": "add", "workflow": "jet.tasks.add:workflow", "dataset": "add", "eval": {"n": 40}}]})
+    task = cfg.tasks[0]
+    backend = HFBackend(path)
+    played = anyio.run(play_rows, cfg, task, held_out_rows(task), LocalClient(backend, Tokenizers({"policy": path})))
+    ref = evaluate(path, "add", 40, loaded=(backend, load_tokenizer(path), path))
+    assert played.results == ref["results"] and played.failed == 0
+    assert 0 < sum(played.results) < 40, "a real model: some right, some wrong"
