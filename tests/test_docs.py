@@ -52,6 +52,35 @@ def test_every_relative_link_names_a_file(page):
     assert dead_links(page) == []
 
 
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+# A repository path as the pages cite one: a top-level folder of the repository, then a file with a suffix
+# (`queues/consumer.py`, `tests/queues/test_faults.py::test_x`, `jet/study/builtin/staleness.yaml`).
+CITED = re.compile(r"(?<![\w/.~-])((?:jet|workers|queues|trainer|tests|docs|configs|scripts|\.ci)/"
+                   r"(?:[\w.-]+/)*[\w.-]+\.(?:py|md|yaml|yml|sh|json|toml|png|js|html|css))\b")
+
+
+def cited_paths(page: Path) -> list[str]:
+    """The repository paths `page` cites in code spans (`jet/runs.py`, `tests/test_docs.py::test_x`)."""
+    return [p for span in CODE_SPAN.findall(page.read_text()) for p in CITED.findall(span)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_cited_path_exists(page):
+    """A page that cites `jet/queues/blobs.py` (the installed module's name) instead of the file,
+    `queues/blobs.py`, or a file that moved, sends a reader nowhere."""
+    assert [p for p in cited_paths(page) if not (ROOT / p).exists()] == []
+
+
+def test_the_path_check_finds_a_cited_path_that_is_gone(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("`jet/runs.py` and `tests/test_docs.py::test_every_cited_path_exists`, `jet/queues/blobs.py`,\n"
+                    "`runs/demo/trainer/tiny/metrics.jsonl` (a run's file), `jet.queues.blobs` (a module), "
+                    "`workers/inference/gone.py:12`\n")
+    cited = cited_paths(page)
+    assert cited == ["jet/runs.py", "tests/test_docs.py", "jet/queues/blobs.py", "workers/inference/gone.py"]
+    assert [p for p in cited if not (ROOT / p).exists()] == ["jet/queues/blobs.py", "workers/inference/gone.py"]
+
+
 def test_the_link_check_finds_a_dead_link(tmp_path):
     page = tmp_path / "page.md"
     (tmp_path / "there.png").write_bytes(b"")
