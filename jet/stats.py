@@ -15,9 +15,13 @@ nothing else in the package computes an interval or a p-value.
 - Paired tests: `sign_test` (exact McNemar on discordant pairs), `rows_paired` (per-row results of the
   same rows: McNemar for 0/1, else Wilcoxon), `wilcoxon_p` (signed-rank, scipy: exact without ties,
   every sign permutation with ties up to 16 values, normal beyond; zero differences dropped), `holm`.
-- Over seeds: `paired` (per-seed differences, > 0 = treatment better), `evidence` (mean, bootstrap
-  interval, Wilcoxon p against the margin point, effect size dz) and `judge` (a hypothesis's verdict),
-  `summarise` (a run's curve as one number).
+- Over runs paired by seed (the first line of every comparison; per-row or per-episode tests are the
+  second): `paired` (per-seed differences, > 0 = treatment better), `paired_summary` (mean difference,
+  t and bootstrap intervals, Wilcoxon p, effect size dz), `evidence` (the same against a hypothesis's
+  margin point) and `judge` (a hypothesis's verdict), `summarise` (a run's curve as one number).
+- Curves [(x, y)] (accuracy against wall time, a metric against steps): `first_reach` (the first x at
+  which y reaches a target) and `area` (the integral of y, the curve held from each point to the next
+  or linear between points).
 
 The verdict rule (two-sided test of "the mean difference equals the margin point", Holm-adjusted across
 hypotheses, with the interval on the same side):
@@ -27,7 +31,11 @@ hypotheses, with the interval on the same side):
   -m; refuted when it lies below -m;
 - otherwise inconclusive (too few seeds, or an effect the data cannot place).
 
-What it is not: I/O, or a planner. numpy and scipy are imported inside the functions that need them.
+What it is not: I/O, or a planner.
+
+Invariant: only `bootstrap_ci` (numpy) and `wilcoxon_p` (scipy), and what calls them (`rows_paired` of
+fractional results, `paired_summary`, `evidence`), need more than the standard library, and they import
+it inside: the base install (no numpy, no scipy) has every other function.
 """
 
 from __future__ import annotations
@@ -65,6 +73,11 @@ def mean_interval(values: list[float]) -> dict:
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t975(n - 1) * sd / math.sqrt(n)
     return {"mean": mean, "ci95": [mean - half, mean + half], "n": n}
+
+
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values` (sample sd / sqrt(n)); None with fewer than two."""
+    return _sd(values) / math.sqrt(len(values)) if len(values) > 1 else None
 
 
 def wilson(k: int, n: int, z: float = Z975) -> tuple[float, float]:
@@ -225,6 +238,26 @@ def paired(treatment: dict[int, float], control: dict[int, float], mode: str = "
     return seeds, [sign * (treatment[s] - control[s]) for s in seeds]
 
 
+def _sd(values: list[float]) -> float:
+    """The sample standard deviation (0 for fewer than two values)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
+def paired_summary(diffs: list[float], seed: int = 0) -> dict:
+    """{n, mean, ci95, bootstrap95, wilcoxon_p, dz} of per-seed differences: the mean difference, its 95%
+    t interval (`mean_interval`) and percentile bootstrap interval (`bootstrap_ci`), the two-sided Wilcoxon
+    signed-rank p against 0 and the effect size dz = mean / sd (None where undefined: no differences, one,
+    or no spread)."""
+    n = len(diffs)
+    sd = _sd(diffs)
+    return {**mean_interval(diffs), "bootstrap95": list(bootstrap_ci(diffs, seed=seed)) if n else None,
+            "wilcoxon_p": wilcoxon_p(diffs), "dz": sum(diffs) / n / sd if sd > 0 else None}
+
+
 @dataclass(frozen=True)
 class Evidence:
     """The evidence on one hypothesis before correction (`evidence`)."""
@@ -248,7 +281,7 @@ def evidence(seeds: list[int], diffs: list[float], claim: str, margin: float, co
     if not diffs:
         return Evidence(seeds, diffs, math.nan, (math.nan, math.nan), 1.0, math.nan)
     mean = sum(diffs) / len(diffs)
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
+    sd = _sd(diffs)
     at = point(claim, margin)
     return Evidence(seeds, diffs, mean, bootstrap_ci(diffs, confidence, seed=seed),
                     wilcoxon_p([d - at for d in diffs]), mean / sd if sd > 0 else math.nan)
@@ -265,3 +298,34 @@ def judge(t: Evidence, p_holm: float, claim: str, margin: float, alpha: float) -
     if hi < at:
         return "refuted"
     return "inconclusive"
+
+
+# ---- curves
+
+
+def first_reach(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first x of the curve (its points taken in order of x) at which y >= target, None if it never
+    does; y within 1e-9 below the target counts as reaching it (an accuracy of k/n computed two ways)."""
+    return next((x for x, y in sorted(curve) if y >= target - 1e-9), None)
+
+
+def area(curve: list[tuple[float, float]], end: float, how: str = "step") -> float:
+    """The integral of the curve's y over x from its first point to `end`. 'step': each y is held from its
+    point to the next (the last to `end`): what a user had at each moment, a model being replaced only when
+    the next one is ready; 'linear': straight lines between points (the trapezoid rule), the last y held
+    to `end`. Points beyond `end` only shape the line up to it; nothing counts before the first point."""
+    if how not in ("step", "linear"):
+        raise ValueError(f"unknown curve shape {how!r} (expected 'step' or 'linear')")
+    pts = sorted(curve)
+    total = 0.0
+    for (x0, y0), (x1, y1) in zip(pts, [*pts[1:], (math.inf, None)]):
+        if x0 >= end:
+            break
+        right = min(x1, end)
+        if right == x0:  # two points at one x: no width
+            continue
+        if how == "step" or y1 is None:
+            total += y0 * (right - x0)
+        else:  # the line's height at `right`, then the trapezoid
+            total += (y0 + y0 + (y1 - y0) * (right - x0) / (x1 - x0)) / 2 * (right - x0)
+    return total

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 
 import pytest
 
@@ -159,3 +161,71 @@ def test_the_median_and_its_order_statistic_interval():
     assert stats.median_interval([1.0, 2.0, math.inf])["median"] == 2.0
     assert stats.median_interval([1.0, math.inf, math.inf])["median"] == math.inf
     assert stats.median_interval([])["median"] is None
+
+
+def test_the_summary_of_differences_paired_by_seed():
+    from scipy import stats as sp
+
+    # mean 0.84; d - 0.84 = -0.34, 0.36, -1.14, -0.04, 1.16, whose squares sum to 2.892: sd = sqrt(2.892 / 4)
+    d = [0.5, 1.2, -0.3, 0.8, 2.0]
+    s = stats.paired_summary(d)
+    assert s["n"] == 5 and s["mean"] == pytest.approx(0.84)
+    assert s["dz"] == pytest.approx(0.84 / math.sqrt(2.892 / 4))
+    half = float(sp.t.ppf(0.975, 4)) * math.sqrt(2.892 / 4) / math.sqrt(5)
+    assert s["ci95"] == pytest.approx([0.84 - half, 0.84 + half], abs=1e-5)
+    assert s["wilcoxon_p"] == pytest.approx(4 / 32)  # as in test_wilcoxon_exact
+    assert s["bootstrap95"] == pytest.approx(list(stats.bootstrap_ci(d)))
+    assert s["bootstrap95"][0] < 0.84 < s["bootstrap95"][1]
+    # one difference: no spread, no interval, no effect size; none at all: nothing but n
+    assert stats.paired_summary([0.25]) == {"mean": 0.25, "ci95": None, "n": 1, "bootstrap95": [0.25, 0.25],
+                                            "wilcoxon_p": 1.0, "dz": None}
+    assert stats.paired_summary([]) == {"mean": None, "ci95": None, "n": 0, "bootstrap95": None,
+                                        "wilcoxon_p": 1.0, "dz": None}
+
+
+def test_first_reach_of_a_curve():
+    curve = [(0.0, 0.1), (30.0, 0.3), (60.0, 0.5), (90.0, 0.45)]
+    assert stats.first_reach(curve, 0.3) == 30.0
+    assert stats.first_reach(curve, 0.45) == 60.0  # the first, not the last, point at or above it
+    assert stats.first_reach(list(reversed(curve)), 0.45) == 60.0  # in order of x, whatever the list's order
+    assert stats.first_reach(curve, 0.6) is None  # never within the curve
+    assert stats.first_reach(curve, 0.3 + 1e-12) == 30.0  # 3/10 computed two ways still reaches 0.3
+    assert stats.first_reach([], 0.0) is None
+
+
+def test_area_under_a_step_and_a_linear_curve():
+    curve = [(0.0, 0.1), (30.0, 0.3), (60.0, 0.5)]
+    # held: 0.1 * 30 + 0.3 * 30 + 0.5 * 40 (the last held to 100) = 3 + 9 + 20 = 32
+    assert stats.area(curve, 100.0) == pytest.approx(32.0)
+    # linear: (0.1 + 0.3) / 2 * 30 + (0.3 + 0.5) / 2 * 30 + 0.5 * 40 = 6 + 12 + 20 = 38
+    assert stats.area(curve, 100.0, "linear") == pytest.approx(38.0)
+    # cut inside a segment: held 0.1 * 30 + 0.3 * 15 = 7.5; linear to y(45) = 0.4: 6 + (0.3 + 0.4) / 2 * 15 = 11.25
+    assert stats.area(curve, 45.0) == pytest.approx(7.5)
+    assert stats.area(curve, 45.0, "linear") == pytest.approx(11.25)
+    # nothing before the first point; two points at one x add no width
+    assert stats.area([(10.0, 1.0), (20.0, 1.0)], 30.0) == pytest.approx(20.0)
+    assert stats.area([(0.0, 0.0), (0.0, 1.0), (10.0, 1.0)], 10.0, "linear") == pytest.approx(10.0)
+    assert stats.area([], 10.0) == 0.0
+    with pytest.raises(ValueError, match="curve shape"):
+        stats.area(curve, 10.0, "spline")
+
+
+def test_the_base_install_has_every_function_but_the_bootstrap_and_wilcoxon(monkeypatch):
+    # the base install has no numpy or scipy: importing them fails, as it would there, and the module is
+    # loaded afresh under that (an import of either at its top would fail here)
+    for name in ("numpy", "scipy", "scipy.stats"):
+        monkeypatch.setitem(sys.modules, name, None)
+    spec = importlib.util.spec_from_file_location("jet_stats_without_numpy", stats.__file__)
+    base = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, base)  # its dataclass looks itself up there
+    spec.loader.exec_module(base)
+    assert base.wilson(9, 100) == pytest.approx((0.0481, 0.1623), abs=1e-4)
+    assert base.interval([0.25, 0.5]) and base.mean_interval([1.0, 2.0])["ci95"]
+    assert base.median_interval([1.0, 2.0, 3.0])["median"] == 2.0 and base.sign_test(1, 9) < 0.05
+    assert base.rows_paired([1, 0], [1, 1])["test"] == "mcnemar" and base.holm([0.01, 0.02])
+    assert base.summarise([(1, 1.0)], "final", 1) == 1.0 and base.paired({0: 1.0}, {0: 0.5}) == ([0], [0.5])
+    assert base.first_reach([(0.0, 1.0)], 1.0) == 0.0 and base.area([(0.0, 1.0)], 2.0) == 2.0
+    with pytest.raises(ImportError):
+        base.bootstrap_ci([1.0, 2.0])
+    with pytest.raises(ImportError):
+        base.wilcoxon_p([1.0, 2.0])

@@ -51,6 +51,7 @@ import yaml
 from jet.bench import emit, progress, redis_url_option, server_url
 from jet.keys import GROUP_TRAINER, Keys
 from jet.runs import RunDir, read_metrics
+from jet.stats import standard_error
 from jet.supervisor import python_module
 
 MODEL = "tiny"
@@ -249,7 +250,7 @@ def evaluate_backend(backend, seed: int, prompts: int = 32, samples: int = 8) ->
     batch = [prompt_of(seed + 1, 10_000 + g, backend.vocab_size) for g in range(prompts) for _ in range(samples)]
     params = [SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=i) for i in range(len(batch))]
     rewards = [reward_of(o.token_ids) for o in backend.generate(batch, params)]
-    return statistics.fmean(rewards), statistics.stdev(rewards) / math.sqrt(len(rewards))
+    return statistics.fmean(rewards), standard_error(rewards)
 
 
 def tiny_model(folder: Path, seed: int) -> Path:
@@ -288,7 +289,7 @@ def summarise_pairs(pairs: list[dict]) -> dict:
     if n == 1:
         se = math.hypot(pairs[0]["runs"][0]["eval_se"], pairs[0]["runs"][1]["eval_se"])
     else:
-        se = statistics.stdev(diffs) / math.sqrt(n)
+        se = standard_error(diffs)
     modes = {}
     for i, mode in enumerate(("sync", "async")):
         rows = [x["runs"][i] for x in pairs]

@@ -24,7 +24,6 @@ the queue path: trajectories never touch Redis here.
 from __future__ import annotations
 
 import copy
-import math
 import random
 import statistics
 import tempfile
@@ -34,6 +33,7 @@ import click
 
 from jet.bench import emit, progress
 from jet.bench.async_ import COMPLETION, LR, evaluate_backend, prompt_of, tiny_model, trajectory
+from jet.stats import standard_error
 
 DEFAULTS = {"steps": 30, "group_size": 4, "batch_groups": 4}
 QUICK = {"steps": 4, "group_size": 2, "batch_groups": 2}
@@ -93,7 +93,7 @@ def measure(p: dict, seeds: list[int], ks: list[int], objectives: list[str], spr
         diffs = [a - b for a, b in zip(rs, rewards[(objective, 0)])]
         rows.append({"objective": objective, "staleness": k, "eval_reward": statistics.fmean(rs),
                      "eval_rewards": rs, "diff_vs_0": statistics.fmean(diffs),
-                     "diff_se": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None})
+                     "diff_se": standard_error(diffs)})
     return {"workload": p, "seeds": seeds, "spread": spread, "rows": rows}
 
 

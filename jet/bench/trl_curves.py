@@ -13,8 +13,9 @@ seed r: the comparison is paired):
   to the next (what a user had at each moment);
 - the accuracy at TRL's budget (the last mark).
 `compare` turns them into paired statistics over seeds (never over rows: rows are the second line):
-mean differences with t intervals and Wilcoxon p, the median time ratio with a bootstrap interval,
-and per arm, each mark's mean accuracy with a 95% band over repeats (`plot`).
+mean differences with t and bootstrap intervals, Wilcoxon p and dz (`jet.stats.paired_summary`), the
+median time ratio with an order-statistic interval (`jet.stats.median_interval`), and per arm, each
+mark's mean accuracy with a 95% band over repeats (`plot`).
 
 What it is not: the runs themselves (`jet.bench.trl_arms`) or the throughput report (`jet.bench.trl`).
 """
@@ -63,14 +64,12 @@ def evaluate_marks(model: str, runs: list[dict], task: str, eval_n: int, device:
 
 def time_to(curve: list[dict], target: float) -> float | None:
     """The first time on the curve with accuracy >= target (None: never within it)."""
-    return next((p["t"] for p in curve if p["accuracy"] >= target - 1e-9), None)
+    return stats.first_reach([(p["t"], p["accuracy"]) for p in curve], target)
 
 
 def area(curve: list[dict], budget_s: float) -> float:
     """The accuracy averaged over [0, budget_s], each point held until the next."""
-    pts = sorted((p["t"], p["accuracy"]) for p in curve if p["t"] <= budget_s)
-    total = sum(a * (min(nxt, budget_s) - t) for (t, a), (nxt, _) in zip(pts, [*pts[1:], (budget_s, 0.0)]))
-    return total / budget_s
+    return stats.area([(p["t"], p["accuracy"]) for p in curve], budget_s, "step") / budget_s
 
 
 def final(curve: list[dict]) -> float:
@@ -106,9 +105,9 @@ def compare(runs: list[dict], base: dict, arm: str, budget_s: float, against: st
     if not pairs:
         return out
     diffs = [r[f"{arm}_final"] - r[f"{against}_final"] for r in per_seed]
-    out["final_diff"] = {**stats.mean_interval(diffs), "wilcoxon_p": stats.wilcoxon_p(diffs)}
+    out["final_diff"] = stats.paired_summary(diffs)
     areas = [r[f"{arm}_area"] - r[f"{against}_area"] for r in per_seed]
-    out["area_diff"] = {**stats.mean_interval(areas), "wilcoxon_p": stats.wilcoxon_p(areas)}
+    out["area_diff"] = stats.paired_summary(areas)
     for name in ("final", "half_gain"):
         ratios = [r[f"time_ratio_{name}"] for r in per_seed if r[f"time_ratio_{name}"] is not None]
         shares = [r[f"time_share_of_budget_{name}"] for r in per_seed]
