@@ -273,11 +273,23 @@ class TrainerConfig(Section):
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the KL penalty against the reference model; 0 = no reference model (dimensionless)."""
     objective: Literal["ppo", "decoupled"] = "decoupled"
-    """'decoupled' clips the ratio against the current (proximal) policy and corrects staleness with a
-    truncated importance weight (AReaL, arXiv:2505.24298); 'ppo' clips against the behaviour policy, which
-    loses reward at equal steps on stale batches (`jet bench staleness`). Equal on fresh batches."""
+    """'decoupled' clips the ratio against the current (proximal) policy and corrects staleness with an
+    importance weight current/behaviour, as `rollout_correction` says (AReaL, arXiv:2505.24298); 'ppo' clips
+    against the behaviour policy, which loses reward at equal steps on stale batches (`jet bench
+    staleness`). Equal on fresh batches."""
+    rollout_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = (
+        "token_truncate")
+    """The decoupled objective's weight of each token from rho = current/behaviour (jet.trainer.losses):
+    'token_truncate' min(rho, is_cap) (TIS), 'token_mask' rho inside [is_floor, is_cap] else 0 (masked IS),
+    'sequence_truncate' min(rho_s, is_cap) and 'sequence_mask' rho where rho_s is inside the band else 0,
+    with rho_s the geometric mean of rho over the episode's trained tokens; 'none' 1. Objective 'ppo'
+    takes no weight ('token_truncate' or 'none' only)."""
     is_cap: PositiveFloat = 2.0
-    """Cap of the decoupled objective's importance weight current/behaviour (dimensionless, >= 1)."""
+    """Upper bound of the rollout correction's band: the truncation or mask threshold of current/behaviour
+    (dimensionless, >= 1)."""
+    is_floor: NonNegativeFloat | None = None
+    """Lower bound of the band of 'token_mask' and 'sequence_mask'; None: 1 / is_cap; 0: no lower bound
+    (dimensionless, <= 1)."""
     advantage: Literal["grpo", "rloo", "no_std"] = "grpo"
     """Advantage estimator: 'grpo' (mean/std in group), 'rloo' (leave-one-out), 'no_std' (mean only, Dr. GRPO)."""
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
@@ -351,6 +363,22 @@ class TrainerConfig(Section):
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
         return betas
+
+    @model_validator(mode="after")
+    def _correction(self) -> TrainerConfig:
+        # the band must hold 1, so fresh tokens (current == behaviour) keep weight 1 in every mode
+        if self.is_cap < 1:
+            raise problem("is_cap", f"must be >= 1, got {self.is_cap}")
+        if self.is_floor is not None and self.is_floor > 1:
+            raise problem("is_floor", f"must be <= 1, got {self.is_floor}")
+        if self.objective == "ppo" and self.rollout_correction not in ("token_truncate", "none"):
+            raise problem("rollout_correction", f"{self.rollout_correction!r} weights the decoupled objective's "
+                          "behaviour gap; objective 'ppo' clips against the behaviour policy and takes no weight "
+                          "(use objective 'decoupled', or rollout_correction 'token_truncate' or 'none')")
+        if self.rollout_correction.startswith("sequence") and self.backend == "deepspeed" and self.nproc > 1:
+            raise problem("rollout_correction", f"{self.rollout_correction!r} needs each token's episode on every "
+                          "rank, which only rank 0 has: use one trainer process or a token mode")
+        return self
 
 
 class JetConfig(Section):

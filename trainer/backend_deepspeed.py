@@ -46,7 +46,7 @@ from jet.trainer.backend_torch import frozen_copy, load_policy
 from jet.trainer.batch import StepInputs
 from jet.trainer.dist import Comm
 from jet.trainer.packing import Row
-from jet.trainer.step import StepStats, accumulate
+from jet.trainer.step import StepStats, accumulate, sequence_level
 
 TAG = "deepspeed"
 DIST_TIMEOUT = timedelta(hours=24)  # rank 0 may wait long for trajectories while the others wait on it
@@ -85,6 +85,9 @@ class DeepSpeedBackend:
 
         self.cfg, self.comm = cfg, comm
         self.rank, self.world = comm.rank, comm.world
+        if sequence_level(cfg) and self.world > 1:  # `jet train --nproc N` overrides what jet.config checked
+            raise ValueError(f"trainer.rollout_correction {cfg.rollout_correction!r} needs each token's episode "
+                             f"on every rank, which only rank 0 has ({self.world} ranks): use a token mode")
         device = device or cfg.device
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
