@@ -88,6 +88,10 @@ UNMATCHED = {  # setting: (Jet, TRL), printed as the difference between the side
                    "transformers generate (or generate_batch), the whole prompt prefilled every turn"),
     "episode token budget": ("max_tokens per model turn", "max_tokens per turn, and max_completion_length over "
                              "the whole episode (trl_side.completion_budget)"),
+    "top_p below 1": ("the trainer's logprobs renormalised over the sampled nucleus (jet.sampling)",
+                      "the trainer's logprobs at the temperature alone: the updates differ (the bench keeps top_p 1)"),
+    "seeded sampling": ("each inference request samples from fresh entropy (which version generates which episode "
+                        "depends on timing anyway)", "sampling seeded by the repeat's seed"),
 }
 
 
@@ -187,6 +191,10 @@ def table(report: dict):
     if report.get("lora"):
         lines.append(f"jet-lora: adapter r {report['lora']['r']}, alpha {report['lora']['alpha']:g} on every linear "
                      f"layer, lr {report['lora']['lr']:g}")
+    trl = [r for r in report["runs"] if r["arm"] == "trl" and r.get("micro_batches")]
+    if trl:
+        lines.append(f"trl micro-batches: {trl[0]['micro_batches']} ({trl[0].get('micro_batches_why')}); marks "
+                     f"kept off TRL's clock: {max(r.get('excluded_s') or 0 for r in trl):.1f} s at most")
     lines += [f"versions: {report['versions']}", f"threads: {report['threads']}", *report.get("skipped", [])]
     return Group(t, "\n".join(lines))
 

@@ -398,7 +398,8 @@ def run_trl(s: Shared, model: str, rows: Path, out: Path, budget_s: float, threa
     prefilled = sum(st.get("prefill_tokens", 0) for st in info["steps"])
     report.update(versions=info["versions"], loss_type=info["loss_type"], generation=info["generation"],
                   rollout=info["rollout"], prefill_tokens_per_trajectory=prefilled / traj if prefilled else None,
-                  marks=info.get("marks", []), micro_batches=info.get("micro_batches"))
+                  marks=info.get("marks", []), micro_batches=info.get("micro_batches"),
+                  micro_batches_why=info.get("micro_batches_why"), excluded_s=info.get("excluded_s"))
     return report
 
 
