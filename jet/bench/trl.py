@@ -45,6 +45,7 @@ from pathlib import Path
 import click
 
 from jet.bench import emit, progress
+from jet.config import TrainerConfig
 from jet.stats import mean_interval, rows_paired
 from jet.bench.trl_arms import ARMS, LORA_LR_FACTOR, MAPPING, Lora, Shared, run_arm, write_rows
 
@@ -258,8 +259,8 @@ def time_to_accuracy_lines(report: dict) -> list[str]:
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
               help="Completion tokens per model turn (default: the task's, 24 for add).")
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
-@click.option("--max-staleness", type=click.IntRange(0), default=1, show_default=True,
-              help="Jet's trainer.max_staleness (TRL is on-policy).")
+@click.option("--max-staleness", type=click.IntRange(0), default=None,
+              help="Jet's trainer.max_staleness (default: Jet's own default, as a user gets it; TRL is on-policy).")
 @click.option("--jet-threads", type=click.IntRange(1), default=None,
               help="OMP_NUM_THREADS of each of jet up's two torch processes (default: half the cores each; TRL's one "
                    "process gets all of them).")
@@ -322,7 +323,8 @@ def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, e
     versions = {"jet": versions_of(sys.executable), **({"trl": versions_of(python)} if python else {})}
     report = {"model": model, "task": task, "shared": s.as_dict(), "mapping": MAPPING, "budget_s": budget_s,
               "repeats": repeats, "seeds": [seed + r for r in range(repeats)], "marks_s": marks, "arms": chosen,
-              "max_staleness": max_staleness, "threads": threads,
+              "max_staleness": TrainerConfig().max_staleness if max_staleness is None else max_staleness,
+              "threads": threads,
               "lora": lora.as_dict() if "jet-lora" in chosen else None,
               "trl_generation": trl_generation, "versions": versions, "runs": runs, "base": base,
               "summary": summarise(runs, base, chosen), "unmatched": UNMATCHED,

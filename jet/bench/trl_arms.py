@@ -117,7 +117,7 @@ def write_rows(s: Shared, path: Path, n: int = 20_000) -> Path:
     return path
 
 
-def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_staleness: int,
+def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_staleness: int | None,
                lora: Lora = Lora()) -> dict:
     """The `jet up` config of a Jet arm (jet/config.py keys), from the shared settings only; jet-lora's model
     also trains an adapter at its own lr (`lora`, the model's `trainer` override: the shared section stays)."""
@@ -136,7 +136,8 @@ def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_stale
         "trainer": {"lr": s.lr, "batch_groups": B, "clip_eps": s.clip_eps, "kl_coef": 0.0, "loss_agg": s.loss,
                     "advantage": "grpo", "weight_decay": s.weight_decay, "grad_clip": s.grad_clip,
                     "adam_betas": list(s.adam_betas), "adam_eps": s.adam_eps, "prefix_trees": not flat,
-                    "lr_schedule": "constant", "warmup_steps": 0, "max_staleness": max_staleness,
+                    "lr_schedule": "constant", "warmup_steps": 0,
+                    **({} if max_staleness is None else {"max_staleness": max_staleness}),
                     "steps": 1_000_000, "seed": s.seed, "device": s.device, "checkpoint_every": 0,
                     "keep_weights": 2, "micro_batch_tokens": 4096, "loggers": ["jsonl"],
                     "group_timeout_s": 1200, "min_group_size": G},
@@ -317,7 +318,7 @@ def tail(log: Path, n: int = 15) -> str:
 
 
 def run_arm(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, *, threads: dict,
-            max_staleness: int, trl_python: str | None, generation: str, say, lora: Lora = Lora(),
+            max_staleness: int | None, trl_python: str | None, generation: str, say, lora: Lora = Lora(),
             marks_s: list[float] = (), micro_batches: int | None = None) -> dict:
     """One run of `arm`; its weights kept at each of `marks_s` (seconds since its launch) for evaluation later."""
     if arm == "trl":
@@ -328,7 +329,7 @@ def run_arm(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: fl
 
 
 def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, threads: int,
-            max_staleness: int, say, lora: Lora = Lora(), marks_s: list[float] = ()) -> dict:
+            max_staleness: int | None, say, lora: Lora = Lora(), marks_s: list[float] = ()) -> dict:
     import yaml
 
     folder = out
