@@ -68,12 +68,14 @@ from jet.keys import Keys
 from jet.queues import codec
 from jet.queues.connect import connect, retry_forever, translated
 from jet.queues.producer import Producer
+from jet.sampling import NAMES as DISTRIBUTION
+from jet.sampling import settings_of
 from jet.timeline import Call
 from jet.wire import GenRequest, GenResult
 
 log = logging.getLogger(__name__)
 
-SAMPLING = ("temperature", "top_p", "max_tokens", "stop_token_ids", "seed")
+SAMPLING = (*DISTRIBUTION, "max_tokens", "stop_token_ids", "seed")  # the keywords a call takes
 
 
 class PromptTooLong(JetError):
@@ -431,6 +433,6 @@ class Session:
                              agent=agent, deadline=self.deadline, **sampling)
         result = await self.client.generate(request, timeout_s)
         call = Call(prompt_ids, result.token_ids, result.logprobs, result.version, model, agent,
-                    result.finish_reason, temperature=request.temperature, top_p=request.top_p)
+                    result.finish_reason, **settings_of(request))
         self.record(call)
         return result, call

@@ -33,7 +33,8 @@ from msgspec.structs import force_setattr
 
 from jet.errors import CodecError
 from jet.queues import codec
-from jet.timeline import Sample
+from jet.timeline import COLUMNS, Sample
+from jet.timeline.model import columns_of
 
 FINISH_REASONS = ("stop", "length", "error")
 
@@ -244,7 +245,8 @@ class Trajectory(Message, frozen=True):
     """One episode's outcome for one model's trainer (`traj:<model>`).
 
     A successful episode carries its merged samples (`jet.timeline`): the
-    model's tokens, loss mask, behaviour logprobs and per-token weight versions.
+    model's tokens and every per-token column `jet.timeline.COLUMNS` declares
+    (loss mask, behaviour logprobs, weight versions, sampling settings, ...).
     A failed one (`failed`) carries no samples, the reason (`error`) and the
     traceback; `retry` says whether another attempt of the same group member
     was queued (else the group trains without it). `meta` holds what the env
@@ -307,12 +309,14 @@ def _check_reward(reward: Any, kind: str) -> None:
     raise CodecError(f"{kind}: reward must be a number or a dict of agent name -> number, got {reward!r}")
 
 
-# Samples travel concatenated: one int32 / float32 array per column for all
-# samples, cut by the per-sample lengths in the metadata. Columns a sample can
-# derive are left out as `Sample.encode` does: the mask is `version >= 0`,
-# parents of a linear sample are i - 1, a one-episode sample's episode column is
-# mask - 1, and the sampling columns (temperatures, top_ps) are 1.0 throughout
-# when absent (every token at the default settings, or an older sender).
+# Samples travel concatenated: one int32 / float32 array per per-token column
+# (named as the column) for all samples, cut by the per-sample lengths in the
+# metadata. What travels is `jet.timeline.COLUMNS`' declaration (`Column.wire`):
+# a column a receiver can derive is left out, for every sample of the entry,
+# when it equals the derivation throughout (the mask is `version >= 0`, parents
+# of a linear sample are i - 1, a one-episode sample's episode column is
+# mask - 1, a sampling column is neutral throughout), so an older sender's entry
+# without a column decodes as those values.
 
 
 def _sample_meta(s: Sample) -> dict[str, Any]:
@@ -321,20 +325,20 @@ def _sample_meta(s: Sample) -> dict[str, Any]:
 
 
 def _sample_arrays(samples: tuple[Sample, ...]) -> tuple[dict, dict]:
-    ints: dict[str, list[int]] = {"tokens": [], "versions": []}
-    floats: dict[str, list[float]] = {"logprobs": []}
-    for s in samples:
-        ints["tokens"] += s.tokens
-        ints["versions"] += s.versions
-        floats["logprobs"] += s.logprobs
-    if any(not s.is_linear for s in samples):
-        ints["parents"] = [p for s in samples for p in s.parents]
-    if any(len(s.episode_ids) > 1 for s in samples):
-        ints["episodes"] = [e for s in samples for e in s.episodes]
-    if any(not s.default_sampling for s in samples):
-        floats["temperatures"] = [t for s in samples for t in s.temperatures]
-        floats["top_ps"] = [p for s in samples for p in s.top_ps]
+    ints: dict[str, list] = {}
+    floats: dict[str, list] = {}
+    per_sample = [columns_of(s) for s in samples]
+    for c in COLUMNS:
+        if c.wire == "never":
+            continue
+        if c.wire == "if_needed" and all(cols[c.name] == c.derived(cols, len(cols["tokens"])) for cols in per_sample):
+            continue
+        (floats if c.kind is float else ints)[c.name] = [v for cols in per_sample for v in cols[c.name]]
     return ints, floats
+
+
+# Decoding order: what is always sent first, so a derivation can read it (the mask reads the versions).
+_DECODE_ORDER = sorted(COLUMNS, key=lambda c: c.wire != "always")
 
 
 def _samples(p: codec.Payload, specs: list, model: str) -> tuple[Sample, ...]:
@@ -343,11 +347,11 @@ def _samples(p: codec.Payload, specs: list, model: str) -> tuple[Sample, ...]:
         if not isinstance(spec, dict) or not isinstance(spec.get("n"), int) or spec["n"] < 0:
             raise CodecError(f"traj: malformed sample entry {str(spec)[:80]}")
         total += spec["n"]
-    for name in ("tokens", "versions", "logprobs", "parents", "episodes", "temperatures", "top_ps"):
-        required = name in ("tokens", "versions", "logprobs")
-        if (required or name in p.arrays) and len(p.arrays.get(name, ())) != total:
-            got = len(p.arrays.get(name, ()))
-            raise CodecError(f"traj: array {name!r} has {got} values, the samples need {total}")
+    for c in COLUMNS:
+        if (c.wire == "always" or (c.wire == "if_needed" and c.name in p.arrays)) \
+                and len(p.arrays.get(c.name, ())) != total:
+            got = len(p.arrays.get(c.name, ()))
+            raise CodecError(f"traj: array {c.name!r} has {got} values, the samples need {total}")
     out, start = [], 0
     for spec in specs:
         end = start + spec["n"]
@@ -361,14 +365,10 @@ def _samples(p: codec.Payload, specs: list, model: str) -> tuple[Sample, ...]:
 
 def _one_sample(p: codec.Payload, spec: dict, model: str, start: int, end: int) -> Sample:
     a = p.arrays
-    versions = tuple(a["versions"][start:end])
-    mask = tuple(int(v >= 0) for v in versions)
-    parents = tuple(a["parents"][start:end]) if "parents" in a else tuple(range(-1, end - start - 1))
-    episodes = tuple(a["episodes"][start:end]) if "episodes" in a else tuple(x - 1 for x in mask)
-    temps = tuple(a["temperatures"][start:end]) if "temperatures" in a else ()
-    top_ps = tuple(a["top_ps"][start:end]) if "top_ps" in a else ()
-    return Sample(tokens=tuple(a["tokens"][start:end]), parents=parents, mask=mask,
-                  logprobs=tuple(a["logprobs"][start:end]), versions=versions, episodes=episodes,
-                  model=model, agents=tuple(str(x) for x in spec["agents"]),
+    cols: dict[str, tuple] = {}
+    for c in _DECODE_ORDER:
+        sent = c.wire == "always" or (c.wire == "if_needed" and c.name in a)  # "always": a KeyError when missing
+        cols[c.name] = tuple(a[c.name][start:end]) if sent else c.derived(cols, end - start)
+    return Sample(model=model, agents=tuple(str(x) for x in spec["agents"]),
                   episode_ids=tuple(str(x) for x in spec["episode_ids"]),
-                  rewards=tuple(float(r) for r in spec["rewards"]), temperatures=temps, top_ps=top_ps)
+                  rewards=tuple(float(r) for r in spec["rewards"]), **cols)

@@ -94,7 +94,7 @@ def episodes(model_dir):
 @pytest.mark.parametrize("mode", ["none", "exact", "tree"])
 def test_trainer_recomputes_the_reported_logprobs_and_the_ratio_is_one(model_dir, episodes, mode):
     policy = load_policy(str(model_dir), "cpu")
-    inputs = build_step(over_the_wire(episodes, mode), advantage="grpo", loss_agg="token_mean")
+    inputs = build_step(over_the_wire(episodes, mode), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     rows = pack(inputs.samples, 48)  # small rows: tree samples are split
     seen, diffs, old_diffs = set(), [], []
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_with_an_adapter_the_trainer_recomputes_the_reported_logprobs(model_dir,
 
     trainer = TorchBackend(str(model_dir), TrainerConfig(lr=0.05), adapter=AdapterConfig(r=4, alpha=16.0))
     warm = build_step(over_the_wire(generate_episodes(HFBackend(model_dir), 4, 1), "exact"), advantage="grpo",
-                      loss_agg="token_mean")
+                      loss_agg="token_mean", prefix_trees=False)
     shas = {}
     for version in (1, 2):
         for _ in range(2):
@@ -145,7 +145,7 @@ def test_with_an_adapter_the_trainer_recomputes_the_reported_logprobs(model_dir,
         backend.load_weights(tmp_path / "v2", shas[2], 2, slot=1)
     episodes = generate_episodes(backend, slots=slots)
     inputs = build_step(over_the_wire([episodes[e] for e in mine] * (12 // len(mine)), "exact"), advantage="grpo",
-                        loss_agg="token_mean")
+                        loss_agg="token_mean", prefix_trees=False)
     diffs = []
     with torch.no_grad():
         for row in pack(inputs.samples, 48):
@@ -210,7 +210,7 @@ def test_the_trainers_nucleus_keeps_the_sampled_token_at_a_boundary():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]]))
     logp = sampling.tempered_logprobs(logits, torch.tensor([1.0]))
     assert sampling.nucleus_mask(logp, torch.tensor([0.6]))[0].tolist() == [True, True, True, False]
-    got = sampling.sampled_logprobs(logits, torch.tensor([3]), torch.tensor([1.0]), torch.tensor([0.6]))
+    got = sampling.sampled_logprobs(logits, torch.tensor([3]), {"top_p": torch.tensor([0.6])})
     assert float(got) == pytest.approx(float(torch.log(torch.tensor(0.1))), abs=1e-6), "forced in, mass 1.0"
-    inside = sampling.sampled_logprobs(logits, torch.tensor([1]), torch.tensor([1.0]), torch.tensor([0.6]))
+    inside = sampling.sampled_logprobs(logits, torch.tensor([1]), {"top_p": torch.tensor([0.6])})
     assert float(inside) == pytest.approx(float(torch.log(torch.tensor(0.2 / 0.9))), abs=1e-6)

@@ -1,6 +1,6 @@
 """One optimiser step's inputs: trainable groups -> samples, per-entry advantages and loss weights.
 
-What it is: `build_step(groups, advantage=..., loss_agg=...)` lists every
+What it is: `build_step(groups, advantage=..., loss_agg=..., prefix_trees=...)` lists every
 sample of every member (in group, member, sample order) and, per (sample,
 episode) entry in `jet.trainer.packing`'s `seq` numbering, the advantage of
 the tokens of that entry and their loss weight. A row's per-token values are
@@ -55,10 +55,11 @@ class StepInputs:
 
 
 def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_agg: str,
-               prefix_trees: bool = False) -> StepInputs:
+               prefix_trees: bool) -> StepInputs:
     """Inputs of one step from groups of successful trajectories (each group: its members); with
     `prefix_trees`, the samples that share a prefix merged into trees (`jet.timeline.share`), each
-    entry's advantage and weight following its tokens."""
+    entry's advantage and weight following its tokens. No default: the one default is the config's
+    (`trainer.prefix_trees`), which every caller passes on."""
     if loss_agg not in AGGREGATIONS:
         raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {loss_agg!r}")
     samples: list[Sample] = []

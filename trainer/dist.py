@@ -29,10 +29,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from jet.trainer.batch import StepInputs
-from jet.trainer.packing import Row
+from jet.trainer.packing import FLOAT_TENSORS, INT_TENSORS, Row
 
-_INT_COLUMNS = ("input_ids", "position_ids", "parent_index", "subtree_end", "versions", "seq")
-_FLOAT_COLUMNS = ("loss_mask", "behaviour_logprobs", "temperatures", "top_ps", "rewards")
+_INT_COLUMNS = INT_TENSORS  # every [B, L] tensor of a row, by kind (the packed columns derived from jet.timeline)
+_FLOAT_COLUMNS = FLOAT_TENSORS
 
 
 @dataclass(slots=True)
@@ -156,6 +156,6 @@ def _rows(meta: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> list[
         n = b * width
         cols = {c: ints[i, start:start + n].reshape(b, width).clone() for i, c in enumerate(_INT_COLUMNS)}
         cols.update({c: floats[i, start:start + n].reshape(b, width).clone() for i, c in enumerate(_FLOAT_COLUMNS)})
-        out.append(Row(causal=bool(causal), n_samples=n_samples, **cols))
+        out.append(Row.of(cols, causal=bool(causal), n_samples=n_samples))
         start += n
     return out

@@ -82,28 +82,29 @@ import torch
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, parent_index: torch.Tensor,
-                   temperature: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+                   settings: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """log q(input_ids[b, j] | its context), read from logits[b, parent_index[b, j]].
 
     logits [B, L, V] (use float32), input_ids and parent_index [B, L] (int64,
-    parent -1 for tokens nothing predicts); `temperature` and `top_p` [B, L]
-    (float32, default 1) are each token's sampling settings: q is
-    softmax(logits / T) renormalised over the top-p nucleus (`jet.sampling`).
-    Returns [B, L]; 0 where parent < 0. Tokens at T = 1, top_p = 1 take the
-    plain log_softmax path; only the others pay for gathering their rows.
+    parent -1 for tokens nothing predicts); `settings` ({name: [B, L] float32}
+    of `jet.sampling.PARAMS`, a missing one neutral: a packed row's
+    `Row.sampling()`) are each token's sampling settings: q is softmax(logits / T)
+    renormalised over the top-p nucleus (`jet.sampling`). Returns [B, L]; 0 where
+    parent < 0. Tokens at neutral settings (T = 1, top_p = 1) take the plain
+    log_softmax path; only the others pay for gathering their rows.
     """
     from jet import sampling
 
     src = parent_index.clamp(min=0)
     rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
     picked = logits[rows, src, input_ids] - torch.logsumexp(logits, dim=-1)[rows, src]
-    if temperature is not None or top_p is not None:
-        temperature = torch.ones_like(picked) if temperature is None else temperature.to(picked.device)
-        top_p = torch.ones_like(picked) if top_p is None else top_p.to(picked.device)
-        special = ((temperature != 1) | (top_p < 1)) & (parent_index >= 0)
+    if settings:
+        settings = {name: values.to(picked.device) for name, values in settings.items()}
+        special = sampling.special(settings) & (parent_index >= 0)
         if bool(special.any()):
             b, j = special.nonzero(as_tuple=True)
-            values = sampling.sampled_logprobs(logits[b, src[b, j]], input_ids[b, j], temperature[b, j], top_p[b, j])
+            values = sampling.sampled_logprobs(logits[b, src[b, j]], input_ids[b, j],
+                                               {name: v[b, j] for name, v in settings.items()})
             flat = picked.flatten().index_copy(0, b * picked.shape[1] + j, values.to(picked.dtype))
             picked = flat.view_as(picked)
     return picked.masked_fill(parent_index < 0, 0.0)

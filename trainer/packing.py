@@ -11,8 +11,10 @@ attention kernel runs its causal fast path instead of a dense L x L mask
 (measured on SmolLM2-135M, 32 samples of ~70 tokens on CPU: about half the
 forward/backward time of one packed row of 2,200 tokens); trees stay packed. Per token a row
 carries input ids, position ids (the depth in its tree), the index of its
-parent (whose logits predict it), the end of its subtree, the loss mask, the
-behaviour logprob, version, sampling settings (temperature, top_p), reward and `seq`: which (sample, episode) entry of
+parent (whose logits predict it), the end of its subtree, the reward, `seq`
+and one tensor per packed column of its samples (`jet.timeline.model.PACKED`,
+derived from the columns' declaration: the loss mask, the behaviour logprob,
+the weight version, the sampling settings). `seq` says which (sample, episode) entry of
 the `pack` call the token belongs to, numbered sample by sample
 (`sum(len(s.episode_ids) for s in samples[:k]) + s.episodes[i]`), so a caller
 can look up per-entry values (advantages, loss weights) for any row. `row_logprobs(model, row)` runs a
@@ -39,27 +41,56 @@ from typing import Sequence
 
 import torch
 
+from jet import sampling
 from jet.timeline import Sample, split_sample
+from jet.timeline.model import PACKED
 from jet.trainer.losses import token_logprobs
+
+_OWN = ("input_ids", "position_ids", "parent_index", "subtree_end", "rewards", "seq")  # built by the packer
+_OWN_FLOAT = ("rewards",)
+INT_TENSORS: tuple[str, ...] = (*(n for n in _OWN if n not in _OWN_FLOAT),
+                                *(c.row for c in PACKED if c.row_kind is not float))  # every int64 [B, L] of a Row
+FLOAT_TENSORS: tuple[str, ...] = (*_OWN_FLOAT, *(c.row for c in PACKED if c.row_kind is float))  # every float32 one
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One micro-batch; every tensor is [B, L]: B = 1 for a packed row, B samples for a padded batch."""
+    """One micro-batch; every tensor is [B, L]: B = 1 for a packed row, B samples for a padded batch.
+
+    Besides the tensors the packer builds from a sample's tokens, parents and episodes (below), a row
+    carries one tensor per packed column of the samples (`jet.timeline.model.PACKED`, named by its
+    `Column.row`), read as an attribute: `loss_mask` (float32, 1.0 on tokens the model generated),
+    `behaviour_logprobs` (float32), `versions` (int64, the weight version that generated the token),
+    `temperatures` and `top_ps` (float32, the token's sampling settings); each holds the column's unset
+    value where the mask is 0 (0.0, -1, 1.0) and on padding.
+    """
 
     input_ids: torch.Tensor  # int64
     position_ids: torch.Tensor  # int64, depth of the token in its tree
     parent_index: torch.Tensor  # int64, -1 where nothing predicts the token
     subtree_end: torch.Tensor  # int64, exclusive end of the token's subtree
-    loss_mask: torch.Tensor  # float32, 1.0 on tokens the model generated
-    behaviour_logprobs: torch.Tensor  # float32, 0.0 where the mask is 0
-    versions: torch.Tensor  # int64, -1 where the mask is 0
-    temperatures: torch.Tensor  # float32, the token's sampling temperature; 1.0 where the mask is 0
-    top_ps: torch.Tensor  # float32, the token's nucleus mass; 1.0 where the mask is 0
     rewards: torch.Tensor  # float32, the reward of the token's episode; 0.0 where the mask is 0
     seq: torch.Tensor  # int64, the token's (sample, episode) entry in the `pack` call; -1 where the mask is 0
+    columns: dict[str, torch.Tensor]  # the packed columns, by `Column.row` (see above)
     causal: bool  # linear samples only, one per batch row: plain causal attention is exact
     n_samples: int
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name != "columns":  # (not set yet: no recursion)
+            found = self.columns.get(name)
+            if found is not None:
+                return found
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], causal: bool, n_samples: int) -> "Row":
+        """A row from every tensor by name (`INT_TENSORS`, `FLOAT_TENSORS`), as `jet.trainer.dist` sends them."""
+        own = {name: tensors[name] for name in _OWN}
+        return cls(**own, columns={c.row: tensors[c.row] for c in PACKED}, causal=causal, n_samples=n_samples)
+
+    def sampling(self) -> dict[str, torch.Tensor]:
+        """{setting name: [B, L]} of the tokens' sampling settings (`jet.sampling.PARAMS`)."""
+        return {p.name: self.columns[p.column] for p in sampling.PARAMS}
 
     @property
     def n_tokens(self) -> int:
@@ -134,32 +165,20 @@ def batch_rows(pieces: Sequence[tuple[Sample, int]], max_tokens: int) -> list[Ro
 def padded_row(pieces: Sequence[tuple[Sample, int]]) -> Row:
     """Linear samples as one [B, L] batch, right-padded (pads: untrained, no parent, never attended to)."""
     width = max(len(s) for s, _ in pieces)
-    cols: dict[str, list[list]] = {k: [] for k in ("tokens", "positions", "parents", "ends", "mask", "lps", "versions",
-                                                   "temps", "top_ps", "rewards", "seq")}
+    own: dict[str, list[list]] = {k: [] for k in ("input_ids", "position_ids", "parent_index", "subtree_end",
+                                                  "rewards", "seq")}
+    cols: dict[str, list[list]] = {c.name: [] for c in PACKED}
     for s, first in pieces:
         n, pad = len(s), width - len(s)
-        cols["tokens"].append([*s.tokens] + [0] * pad)
-        cols["positions"].append(list(range(width)))
-        cols["parents"].append(list(range(-1, n - 1)) + [-1] * pad)
-        cols["ends"].append([n] * n + list(range(n + 1, width + 1)))
-        cols["mask"].append([*s.mask] + [0] * pad)
-        cols["lps"].append([*s.logprobs] + [0.0] * pad)
-        cols["versions"].append([*s.versions] + [-1] * pad)
-        cols["temps"].append([*s.temperatures] + [1.0] * pad)
-        cols["top_ps"].append([*s.top_ps] + [1.0] * pad)
-        cols["rewards"].append([s.rewards[e] if e >= 0 else 0.0 for e in s.episodes] + [0.0] * pad)
-        cols["seq"].append([first + e if e >= 0 else -1 for e in s.episodes] + [-1] * pad)
-
-    def long(name: str) -> torch.Tensor:
-        return torch.tensor(cols[name], dtype=torch.int64)
-
-    def f32(name: str) -> torch.Tensor:
-        return torch.tensor(cols[name], dtype=torch.float32)
-
-    return Row(input_ids=long("tokens"), position_ids=long("positions"), parent_index=long("parents"),
-               subtree_end=long("ends"), loss_mask=f32("mask"), behaviour_logprobs=f32("lps"),
-               versions=long("versions"), temperatures=f32("temps"), top_ps=f32("top_ps"), rewards=f32("rewards"),
-               seq=long("seq"), causal=True, n_samples=len(pieces))
+        own["input_ids"].append([*s.tokens] + [0] * pad)
+        own["position_ids"].append(list(range(width)))
+        own["parent_index"].append(list(range(-1, n - 1)) + [-1] * pad)
+        own["subtree_end"].append([n] * n + list(range(n + 1, width + 1)))
+        own["rewards"].append([s.rewards[e] if e >= 0 else 0.0 for e in s.episodes] + [0.0] * pad)
+        own["seq"].append([first + e if e >= 0 else -1 for e in s.episodes] + [-1] * pad)
+        for c in PACKED:
+            cols[c.name].append([*getattr(s, c.name)] + [c.unset] * pad)
+    return _row(own, cols, causal=True, n_samples=len(pieces))
 
 
 def seq_offsets(samples: Sequence[Sample]) -> list[int]:
@@ -174,41 +193,30 @@ def seq_offsets(samples: Sequence[Sample]) -> list[int]:
 def pack_row(samples: Sequence[Sample], offsets: Sequence[int] | None = None) -> Row:
     """Lay samples out back to back in one row; `offsets` number their entries (default: `seq_offsets`)."""
     offsets = seq_offsets(samples) if offsets is None else offsets
-    tokens, parents, mask, lps, versions, rewards, seq, temps, top_ps = [], [], [], [], [], [], [], [], []
+    tokens, parents, rewards, seq = [], [], [], []
+    cols: dict[str, list] = {c.name: [] for c in PACKED}
     for s, first in zip(samples, offsets):
         offset = len(tokens)
         tokens += s.tokens
         parents += [p + offset if p >= 0 else -1 for p in s.parents]
-        mask += s.mask
-        lps += s.logprobs
-        versions += s.versions
-        temps += s.temperatures
-        top_ps += s.top_ps
+        for c in PACKED:
+            cols[c.name] += getattr(s, c.name)
         rewards += [s.rewards[e] if e >= 0 else 0.0 for e in s.episodes]
         seq += [first + e if e >= 0 else -1 for e in s.episodes]
     depth, end = _depth_and_end(parents)
+    own = {"input_ids": [tokens], "position_ids": [depth], "parent_index": [parents], "subtree_end": [end],
+           "rewards": [rewards], "seq": [seq]}
+    return _row(own, {name: [values] for name, values in cols.items()},
+                causal=len(samples) == 1 and samples[0].is_linear, n_samples=len(samples))
 
-    def long(values: list[int]) -> torch.Tensor:
-        return torch.tensor([values], dtype=torch.int64)
 
-    def f32(values: list[float]) -> torch.Tensor:
-        return torch.tensor([values], dtype=torch.float32)
+def _row(own: dict[str, list], cols: dict[str, list], causal: bool, n_samples: int) -> Row:
+    """A Row from nested lists: the packer's own tensors and each packed column's, by column name."""
+    def tensor(values: list, kind: type) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32 if kind is float else torch.int64)
 
-    return Row(
-        input_ids=long(tokens),
-        position_ids=long(depth),
-        parent_index=long(parents),
-        subtree_end=long(end),
-        loss_mask=f32(mask),
-        behaviour_logprobs=f32(lps),
-        versions=long(versions),
-        temperatures=f32(temps),
-        top_ps=f32(top_ps),
-        rewards=f32(rewards),
-        seq=long(seq),
-        causal=len(samples) == 1 and samples[0].is_linear,
-        n_samples=len(samples),
-    )
+    return Row(**{name: tensor(values, float if name in _OWN_FLOAT else int) for name, values in own.items()},
+               columns={c.row: tensor(cols[c.name], c.row_kind) for c in PACKED}, causal=causal, n_samples=n_samples)
 
 
 def _depth_and_end(parents: list[int]) -> tuple[list[int], list[int]]:
@@ -250,4 +258,4 @@ def row_logprobs(model: torch.nn.Module, row: Row) -> torch.Tensor:
     except TypeError:  # a model without logits_to_keep: every position's logits
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
         read_at = parents.masked_fill(~trained, -1)
-    return token_logprobs(out.logits.float(), ids, read_at, row.temperatures, row.top_ps)
+    return token_logprobs(out.logits.float(), ids, read_at, row.sampling())

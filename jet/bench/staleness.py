@@ -69,7 +69,7 @@ def train(model_dir: Path, seed: int, k: int, objective: str, p: dict, spread: b
                       for i in range(G)]
             outs = sampler.generate([prompt] * G, params)
             groups.append([trajectory(prompt, out, group, i, group * G + i, G) for i, out in enumerate(outs)])
-        inputs = build_step(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg)
+        inputs = build_step(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg, prefix_trees=cfg.prefix_trees)
         engine.train_step(pack(inputs.samples, cfg.micro_batch_tokens), inputs, LR)
         history.append(copy.deepcopy(engine.model.state_dict()))
     sampler.model.load_state_dict(history[-1])

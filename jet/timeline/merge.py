@@ -1,11 +1,11 @@
 """Timelines: merge an episode's LLM calls into training samples, token-exact.
 
-What it is: `Call` (one LLM call as the client saw it: prompt ids, completion
-ids and logprobs, weight version, model, agent, finish reason, and the
-sampling settings temperature and top_p), `Sample` (what a trainer trains on:
-a linear sequence or a prefix tree of tokens with a loss mask, behaviour
-logprobs, versions and each token's sampling settings) and `merge_calls` /
-`merge_episodes`:
+What it is: `merge_calls` / `merge_episodes`, from `Call`s (one LLM call as
+the client saw it: prompt ids, completion ids and logprobs, weight version,
+model, agent, finish reason, and the sampling settings temperature and top_p)
+to `Sample`s (what a trainer trains on: a linear sequence or a prefix tree of
+tokens with a loss mask and the per-token behaviour columns; both in
+`jet.timeline.model`), in one of three modes:
 
 - ``none``: one sample per call, the baseline: O(T^2) tokens for T turns.
 - ``exact``: a call extends the timeline of its model whose tokens are the
@@ -33,12 +33,13 @@ token ids, so it cannot be fooled by text that re-tokenises differently.
 
 Invariants (tests/timeline/test_props.py checks them on random episodes):
 - every completion token of every sampled (temperature > 0) call appears in
-  exactly one sample with mask 1, its logprob, its version, its call's
-  temperature and top_p and exactly its call's context: its ancestors are the
+  exactly one sample with mask 1, every column its call gives it
+  (`jet.timeline.model.FROM_CALL`: its logprob, its call's version,
+  temperature and top_p) and exactly its call's context: its ancestors are the
   call's prompt followed by the completion tokens before it;
-- mask-0 tokens carry logprob 0.0, version -1, episode -1, temperature 1.0 and
-  top_p 1.0; a root is never trained (nothing predicts it), and no sample ends
-  in an untrained leaf;
+- mask-0 tokens carry each behaviour column's unset value (`Column.unset`:
+  logprob 0.0, version -1, episode -1, temperature 1.0, top_p 1.0); a root is
+  never trained (nothing predicts it), and no sample ends in an untrained leaf;
 - tokens are in depth-first preorder: parents[i] < i and every subtree is a
   contiguous range, so "k is an ancestor-or-self of q" is k <= q < end[k];
 - one model per sample; position id = depth in the tree.
@@ -48,14 +49,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jet.timeline.model import MODES, Call, Episode, Mode, Sample, prune
+from jet.timeline.model import CARRIED, FROM_CALL, MODES, Call, Episode, Mode, Sample, prune
 from jet.timeline.tree import tree_columns
 
 # --- building samples ---------------------------------------------------------
 #
 # Builders describe a sample as flat preorder columns: token, parent, and who
 # generated it (`who` = index of the call, -1 for prompt tokens, `k` = offset
-# in that call's completion). `_build` prunes and fills the behaviour columns.
+# in that call's completion). `_build` prunes and fills the behaviour columns
+# (`jet.timeline.model.CARRIED`): a trained token takes each from its call
+# (`Column.source`), its mask and its episode from where it stands.
 
 
 def _build(
@@ -72,37 +75,31 @@ def _build(
     if not keep:
         return None
     new_index = {old: new for new, old in enumerate(keep)}
+    callers, offsets = [who[i] for i in keep], [k[i] for i in keep]
     local_episode: dict[int, int] = {}
     agents: dict[str, None] = {}
-    lps, vers, eps, temps, top_ps = [], [], [], [], []
-    for i in keep:
-        c = who[i]
-        if c < 0:
-            lps.append(0.0)
-            vers.append(-1)
-            eps.append(-1)
-            temps.append(1.0)
-            top_ps.append(1.0)
-        else:
+    for c in callers:
+        if c >= 0:
             agents.setdefault(calls[c].agent)
-            lps.append(calls[c].completion_logprobs[k[i]])
-            vers.append(calls[c].version)
-            eps.append(local_episode.setdefault(episode_of[c], len(local_episode)))
-            temps.append(calls[c].temperature)
-            top_ps.append(calls[c].top_p)
+            local_episode.setdefault(episode_of[c], len(local_episode))
+    cols: dict[str, list] = {
+        "mask": [int(c >= 0) for c in callers],
+        "episodes": [local_episode[episode_of[c]] if c >= 0 else -1 for c in callers],
+    }
+    for col in FROM_CALL:  # a Call attribute: one value per completion token (a tuple), or one for the call
+        of_call = {c: getattr(calls[c], col.source) for c in set(callers) if c >= 0}
+        if isinstance(next(iter(of_call.values())), tuple):
+            cols[col.name] = [of_call[c][j] if c >= 0 else col.unset for c, j in zip(callers, offsets)]
+        else:
+            cols[col.name] = [of_call[c] if c >= 0 else col.unset for c in callers]
     return Sample(
         tokens=tuple(tokens[i] for i in keep),
         parents=tuple(new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep),
-        mask=tuple(int(who[i] >= 0) for i in keep),
-        logprobs=tuple(lps),
-        versions=tuple(vers),
-        episodes=tuple(eps),
         model=calls[next(who[i] for i in keep if who[i] >= 0)].model,
         agents=tuple(agents),
         episode_ids=tuple(episodes[e].episode_id for e in local_episode),
         rewards=tuple(float(episodes[e].reward) for e in local_episode),
-        temperatures=tuple(temps),
-        top_ps=tuple(top_ps),
+        **{name: tuple(values) for name, values in cols.items()},
     )
 
 

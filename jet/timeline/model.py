@@ -1,6 +1,15 @@
 """The timeline data model: `Call` (one LLM call, token-in-token-out), `Episode` and `Sample` (what a
 trainer trains on: a linear sequence or a prefix tree of tokens with a loss mask and the behaviour
-columns), with the checks that keep a Sample valid and `prune` (what a sample keeps of a token tree).
+columns), the declaration of a Sample's per-token columns (`Column`, `COLUMNS`), the checks that keep a
+Sample valid and `prune` (what a sample keeps of a token tree).
+
+The per-token columns are declared once, on the fields of `Sample` (`column(...)`): each one's kind, its
+value on untrained tokens, whether and when it travels on the wire, the trainer's packed tensor that
+carries it and the `Call` attribute a trained token takes it from. The merge (`jet.timeline.merge`), the
+group prefix trees (`jet.timeline.share`), the split (`jet.timeline.split`), the wire (`jet.wire`'s
+Trajectory samples) and the trainer's packing (`jet.trainer.packing`) derive their handling of them from
+`COLUMNS`, so a new column is one field here, plus its producer (the Call attribute it is taken from)
+and its consumer (whoever reads the packed tensor). The sampling columns follow `jet.sampling.PARAMS`.
 
 What it is not: a merge (`jet.timeline.merge`), a split (`jet.timeline.split`) or a tree builder
 (`jet.timeline.tree`); those three build on this module and never on each other's private names.
@@ -11,11 +20,15 @@ from __future__ import annotations
 
 import math
 from array import array
-from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from dataclasses import dataclass, field, fields, replace
+from itertools import compress
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+
+from jet import sampling
 
 Mode = Literal["none", "exact", "tree"]
 MODES: tuple[str, ...] = ("none", "exact", "tree")
+Wire = Literal["always", "if_needed", "never"]
 
 
 def _f32(values: Iterable[float]) -> tuple[float, ...]:
@@ -25,7 +38,9 @@ def _f32(values: Iterable[float]) -> tuple[float, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One LLM call, token-in-token-out. Sequences are normalised to tuples."""
+    """One LLM call, token-in-token-out. Sequences are normalised to tuples.
+
+    Its sampling settings (temperature, top_p) are those of `jet.sampling.PARAMS`, one field each."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
@@ -49,10 +64,9 @@ class Call:
             )
         if self.version < 0:
             raise ValueError(f"version must be >= 0, got {self.version}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        bad = sampling.errors(self)
+        if bad:
+            raise ValueError(bad)
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -69,37 +83,109 @@ class Episode:
     reward: float = 0.0
 
 
+# --- the per-token columns -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One per-token column of a Sample, as `column()` declares it on the field."""
+
+    name: str  # the Sample field and the wire array: the column's one spelling
+    kind: type  # int (int32 on the wire) or float (float32 values: rounded on construction)
+    unset: int | float | None  # an untrained token's value; None: every token has its own (tokens, parents)
+    wire: Wire  # "always": sent; "if_needed": sent when some sample's values differ from `derived`;
+    #             "never": the receiver derives it (`derived`; the Sample invariants make that exact)
+    derive: Callable[[Mapping[str, tuple], int], tuple] | None  # the receiver's values when not sent (None: unset)
+    row: str | None  # the trainer's packed tensor that carries it; None: the packer makes its own from it
+    row_kind: type  # that tensor's kind: int (int64) or float (float32)
+    source: str | None  # the Call attribute a trained token takes it from (a tuple: the token's entry);
+    #                     None: the merge sets it itself (mask, episodes)
+    need: tuple[Callable[[Any], bool], str] | None  # what a trained token's value satisfies, and the phrase
+    optional: bool  # may be left empty in the constructor: unset throughout (an older caller's, or sender's)
+
+    def derived(self, cols: Mapping[str, tuple], n: int) -> tuple:
+        """The column of an n-token sample whose other columns are `cols`, when it was not sent."""
+        return self.derive(cols, n) if self.derive is not None else (self.unset,) * n
+
+    def take(self, call: Call, k: int) -> Any:
+        """The value of the `k`-th completion token of `call`."""
+        value = getattr(call, self.source)
+        return value[k] if isinstance(value, tuple) else value
+
+
+def column(kind: type, *, unset: int | float | None = None, wire: Wire = "always",
+           derive: Callable[[Mapping[str, tuple], int], tuple] | None = None, row: str | None = None,
+           row_kind: type | None = None, source: str | None = None,
+           need: tuple[Callable[[Any], bool], str] | None = None, optional: bool = False) -> Any:
+    """A Sample field that is a per-token column (see `Column` for each argument)."""
+    spec = Column("", kind, unset, wire, derive, row, row_kind or kind, source, need, optional)
+    return field(default=(), metadata={"column": spec}) if optional else field(metadata={"column": spec})
+
+
+def sampling_column(name: str, need: tuple[Callable[[Any], bool], str] | None = None) -> Any:
+    """The column of the sampling setting `name` of `jet.sampling.PARAMS`: each token's value, neutral where
+    untrained, sent only when some token differs, packed under the column's name."""
+    p = sampling.BY_NAME[name]
+    return column(float, unset=p.neutral, wire="if_needed", row=p.column, source=p.name, optional=True,
+                  need=need or (p.ok, f"{p.name} {p.rule}"))
+
+
+def _linear(cols: Mapping[str, tuple], n: int) -> tuple[int, ...]:
+    return tuple(range(-1, n - 1))
+
+
+def _mask_of_versions(cols: Mapping[str, tuple], n: int) -> tuple[int, ...]:
+    return tuple(int(v >= 0) for v in cols["versions"])
+
+
+def _episodes_of_mask(cols: Mapping[str, tuple], n: int) -> tuple[int, ...]:
+    return tuple(m - 1 for m in cols["mask"])
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
     """A training sample: a linear sequence or a prefix tree in preorder.
 
-    Per-token columns, all of one length. Where mask is 0 the behaviour fields
-    are unset: logprob 0.0, version -1, episode -1, temperature 1.0, top_p 1.0
-    (the mask says which are valid). On the wire (a Trajectory's samples,
-`jet.wire`, the one layout) the mask is not sent: it is
-    `version >= 0`; the sampling columns are sent only when some token was
-    drawn with temperature or top_p other than 1, so a sample without them
-    (an older sender's) decodes as temperature 1, top_p 1. Left empty in the
-    constructor, they mean the same.
+    Per-token columns, all of one length, declared with `column()` (what each
+    is on the wire and in the trainer's packed rows: `Column`). Where mask is
+    0 the behaviour columns are unset (logprob 0.0, version -1, episode -1,
+    temperature 1.0, top_p 1.0): the mask says which are valid. On the wire (a
+    Trajectory's samples, `jet.wire`) the mask is not sent: it is
+    `version >= 0`; parents travel only for trees, episodes only for samples
+    of several episodes, and a sampling column only when some token was drawn
+    with a setting other than neutral, so a sample without them (an older
+    sender's) decodes as temperature 1, top_p 1. Left empty in the
+    constructor, the sampling columns mean the same.
     """
 
-    tokens: tuple[int, ...]
-    parents: tuple[int, ...]  # -1 for a root; parents[i] == i - 1 throughout a linear sample
-    mask: tuple[int, ...]  # 1 only where the model generated the token
-    logprobs: tuple[float, ...]  # behaviour logprob (float32 values)
-    versions: tuple[int, ...]  # weight version that generated the token
-    episodes: tuple[int, ...]  # index into episode_ids of the generating call's episode
+    tokens: tuple[int, ...] = column(int)  # packed as the row's input ids
+    # -1 for a root; parents[i] == i - 1 throughout a linear sample (the packer derives positions from it)
+    parents: tuple[int, ...] = column(int, wire="if_needed", derive=_linear)
+    mask: tuple[int, ...] = column(int, unset=0, wire="never", derive=_mask_of_versions, row="loss_mask",
+                                   row_kind=float)  # 1 only where the model generated the token
+    logprobs: tuple[float, ...] = column(float, unset=0.0, row="behaviour_logprobs", source="completion_logprobs",
+                                         need=(math.isfinite, "a finite behaviour logprob"))
+    versions: tuple[int, ...] = column(int, unset=-1, row="versions", source="version",
+                                       need=(lambda v: v >= 0, "a weight version >= 0"))  # that generated it
+    # index into episode_ids of the generating call's episode (the packer turns it into rewards and `seq`)
+    episodes: tuple[int, ...] = column(int, unset=-1, wire="if_needed", derive=_episodes_of_mask)
     model: str
     agents: tuple[str, ...]  # agents whose calls generated tokens here, in order of first appearance
     episode_ids: tuple[str, ...]
     rewards: tuple[float, ...]  # one per episode_ids entry
-    temperatures: tuple[float, ...] = ()  # sampling temperature of each token (> 0 where trained)
-    top_ps: tuple[float, ...] = ()  # nucleus mass of each token, in (0, 1]
+    # the sampling settings of each token (`jet.sampling.PARAMS`)
+    temperatures: tuple[float, ...] = sampling_column(
+        "temperature", need=(lambda t: 0 < t < math.inf, "temperature > 0 (finite: greedy tokens are never trained)"))
+    top_ps: tuple[float, ...] = sampling_column("top_p")
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
-        object.__setattr__(self, "temperatures", _f32(self.temperatures) if self.temperatures else (1.0,) * n)
-        object.__setattr__(self, "top_ps", _f32(self.top_ps) if self.top_ps else (1.0,) * n)
+        for c in COLUMNS:
+            values = getattr(self, c.name)
+            if c.optional and not values:
+                object.__setattr__(self, c.name, (c.unset,) * n)
+            elif c.kind is float:
+                object.__setattr__(self, c.name, _f32(values))
         _check_sample(self)
 
     def __len__(self) -> int:
@@ -114,11 +200,6 @@ class Sample:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     @property
-    def default_sampling(self) -> bool:
-        """Every token at temperature 1, top_p 1: the sampling columns need not travel."""
-        return all(t == 1.0 for t in self.temperatures) and all(p == 1.0 for p in self.top_ps)
-
-    @property
     def positions(self) -> tuple[int, ...]:
         """Position id of each token: its depth (0 for a root)."""
         depth: list[int] = []
@@ -127,26 +208,42 @@ class Sample:
         return tuple(depth)
 
 
+COLUMNS: tuple[Column, ...] = tuple(replace(f.metadata["column"], name=f.name) for f in fields(Sample)
+                                    if "column" in f.metadata)
+CARRIED: tuple[Column, ...] = tuple(c for c in COLUMNS if c.unset is not None)  # set on trained tokens only
+FROM_CALL: tuple[Column, ...] = tuple(c for c in CARRIED if c.source)  # what a trained token takes from its call
+PACKED: tuple[Column, ...] = tuple(c for c in COLUMNS if c.row)  # a tensor of its own in the trainer's rows
+_UNSET = ", ".join(f"{c.name} {c.unset}" for c in CARRIED)
+
+
+def columns_of(s: Sample) -> dict[str, tuple]:
+    """{name: values} of every per-token column of `s`."""
+    return {c.name: getattr(s, c.name) for c in COLUMNS}
+
+
 def _check_sample(s: Sample) -> None:
     n = len(s.tokens)
-    columns = (s.parents, s.mask, s.logprobs, s.versions, s.episodes, s.temperatures, s.top_ps)
-    if any(len(c) != n for c in columns):
-        raise ValueError(f"per-token columns differ in length: {[n, *map(len, columns)]}")
+    lengths = {c.name: len(getattr(s, c.name)) for c in COLUMNS}
+    if any(m != n for m in lengths.values()):
+        raise ValueError(f"per-token columns differ in length: {lengths}")
     if len(s.rewards) != len(s.episode_ids):
         raise ValueError(f"{len(s.episode_ids)} episode ids but {len(s.rewards)} rewards")
-    rows = zip(s.mask, s.logprobs, s.versions, s.episodes, s.parents, s.temperatures, s.top_ps)
-    for i, (m, lp, v, e, p, t, tp) in enumerate(rows):
-        if m == 1:
-            if v < 0 or p < 0 or not 0 <= e < len(s.episode_ids):
-                raise ValueError(f"token {i}: trained tokens need a version, a parent and an episode")
-            if not math.isfinite(lp):
-                raise ValueError(f"token {i}: behaviour logprob {lp} is not finite")
-            if not (0 < t < math.inf and 0 < tp <= 1):
-                raise ValueError(f"token {i}: trained tokens need temperature > 0 and top_p in (0, 1], "
-                                 f"got {t}, {tp}")
-        elif m != 0 or lp != 0.0 or v != -1 or e != -1 or t != 1.0 or tp != 1.0:
-            raise ValueError(f"token {i}: untrained tokens carry logprob 0.0, version -1, episode -1, "
-                             f"temperature 1.0, top_p 1.0")
+    for i, (m, p, e) in enumerate(zip(s.mask, s.parents, s.episodes)):
+        if m == 1 and (p < 0 or not 0 <= e < len(s.episode_ids)):
+            raise ValueError(f"token {i}: trained tokens need a parent and an episode, got parent {p}, "
+                             f"episode {e} of {len(s.episode_ids)}")
+    trained = [m == 1 for m in s.mask]
+    untrained = [not t for t in trained]
+    for c in CARRIED:  # column by column, each distinct value checked once (most repeat)
+        values = getattr(s, c.name)
+        ok, phrase = c.need or (None, "")
+        bad_trained = ok is not None and not all(map(ok, set(compress(values, trained))))
+        if bad_trained or not set(compress(values, untrained)) <= {c.unset}:
+            for i, (m, v) in enumerate(zip(s.mask, values)):
+                if m == 1 and ok is not None and not ok(v):
+                    raise ValueError(f"token {i}: trained tokens need {phrase}, got {c.name} {v}")
+                if m != 1 and v != c.unset:
+                    raise ValueError(f"token {i}: untrained tokens carry {_UNSET} (got {c.name} {v})")
     _check_preorder(s.parents)
 
 

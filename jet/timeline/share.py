@@ -12,7 +12,7 @@ child spelling the token):
 - no such child: a new node;
 - an untrained token (prompt, tool output, a greedy call): shares the child, whatever the child is;
 - a trained token on an untrained child: shares it and claims it (the child now carries this token's
-  logprob, version, sampling settings and episode);
+  behaviour columns, `jet.timeline.model.CARRIED`: logprob, version, sampling settings, episode);
 - a trained token on a child another token already claims (two members of a group sampled the same
   tokens): the sample's later tokens still descend through that child (same context), and the claim
   goes to a new leaf beside it, the same token under the same parent with no children. The leaf's logits
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jet.timeline.model import Sample
+from jet.timeline.model import CARRIED, Sample
 
 
 class _Trie:
@@ -122,23 +122,18 @@ def _tree(trie: _Trie, root: int, model: str, samples: Sequence[Sample],
         episode_ids += s.episode_ids
         rewards += s.rewards
         agents.update(dict.fromkeys(s.agents))
-    cols: dict[str, list] = {k: [] for k in ("mask", "lps", "versions", "episodes", "temps", "top_ps")}
-    for c in claims:
-        if c is None:
-            for k, unset in (("mask", 0), ("lps", 0.0), ("versions", -1), ("episodes", -1), ("temps", 1.0),
-                             ("top_ps", 1.0)):
-                cols[k].append(unset)
+    cols: dict[str, list] = {c.name: [] for c in CARRIED}
+    for claim in claims:
+        if claim is None:
+            for c in CARRIED:
+                cols[c.name].append(c.unset)
             continue
-        si, i = c
+        si, i = claim
         s = samples[si]
-        cols["mask"].append(1)
-        cols["lps"].append(s.logprobs[i])
-        cols["versions"].append(s.versions[i])
-        cols["episodes"].append(local_first[si] + s.episodes[i])
-        cols["temps"].append(s.temperatures[i])
-        cols["top_ps"].append(s.top_ps[i])
-    tree = Sample(tokens=tuple(trie.token[n] for n in nodes), parents=tuple(parents), mask=tuple(cols["mask"]),
-                  logprobs=tuple(cols["lps"]), versions=tuple(cols["versions"]), episodes=tuple(cols["episodes"]),
-                  model=model, agents=tuple(agents), episode_ids=tuple(episode_ids), rewards=tuple(rewards),
-                  temperatures=tuple(cols["temps"]), top_ps=tuple(cols["top_ps"]))
+        for c in CARRIED:
+            cols[c.name].append(getattr(s, c.name)[i])
+        cols["episodes"][-1] += local_first[si]  # the sample's episodes are numbered after the earlier members'
+    tree = Sample(tokens=tuple(trie.token[n] for n in nodes), parents=tuple(parents), model=model,
+                  agents=tuple(agents), episode_ids=tuple(episode_ids), rewards=tuple(rewards),
+                  **{name: tuple(values) for name, values in cols.items()})
     return tree, entries

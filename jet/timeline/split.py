@@ -18,15 +18,16 @@ that fit a micro-batch of `max_tokens` tokens (the trainer's
 What it is not: a packer (`jet.trainer.packing`) or a merge.
 
 Invariants: outputs satisfy `Sample`'s invariants (preorder, no untrained
-leaf); a trained token of an output has the same context, logprob, version
-and sampling settings as in the input.
+leaf); a trained token of an output has the same context and the same value
+in every behaviour column (`jet.timeline.model.CARRIED`: logprob, version,
+episode, sampling settings) as in the input.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from jet.timeline.model import Sample, prune
+from jet.timeline.model import CARRIED, Sample, prune
 
 
 def split_sample(sample: Sample, max_tokens: int) -> list[Sample]:
@@ -93,14 +94,9 @@ def _piece(s: Sample, idx: list[int], parents: list[int], trained: list[bool]) -
     return Sample(
         tokens=tuple(s.tokens[idx[j]] for j in keep),
         parents=tuple(new_index[parents[j]] if parents[j] >= 0 else -1 for j in keep),
-        mask=col(s.mask, 0),
-        logprobs=col(s.logprobs, 0.0),
-        versions=col(s.versions, -1),
-        episodes=col(s.episodes, -1),
         model=s.model,
         agents=s.agents,
         episode_ids=s.episode_ids,
         rewards=s.rewards,
-        temperatures=col(s.temperatures, 1.0),
-        top_ps=col(s.top_ps, 1.0),
+        **{c.name: col(getattr(s, c.name), c.unset) for c in CARRIED},
     )

@@ -70,7 +70,7 @@ class Sampler:
             probs = logp.exp().masked_fill(~keep, 0.0)[0]
             tok = int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=self.gen))
             ids.append(tok)
-            lps.append(float(sampling.renormalised(logp, torch.tensor([tok]), p, keep)[0]))
+            lps.append(float(sampling.renormalised(logp, torch.tensor([tok]), p < 1, keep)[0]))
             if tok == EOS:
                 break
         finish = "stop" if ids[-1] == EOS else "length"
@@ -201,7 +201,7 @@ def test_row_logprobs_reads_only_the_logits_it_needs():
                 lp = row_logprobs(model, row)
                 full = model(input_ids=row.input_ids, position_ids=row.position_ids,
                              attention_mask=None if row.causal else row.attention_mask()).logits.float()
-            reference = token_logprobs(full, row.input_ids, row.parent_index, row.temperatures, row.top_ps)
+            reference = token_logprobs(full, row.input_ids, row.parent_index, row.sampling())
             assert torch.allclose(lp[trained], reference[trained], atol=1e-5)
             assert bool((lp[~trained] == 0).all())
             n_parents = len(set(row.parent_index[trained].tolist()))

@@ -20,7 +20,7 @@ ADAPTER = AdapterConfig(r=4, alpha=8.0)
 
 
 def step_inputs():
-    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     return inputs, pack(inputs.samples, 64)
 
 

@@ -219,7 +219,7 @@ def test_sequence_weights_are_per_episode_however_its_samples_are_merged_or_pack
     cfg = TrainerConfig(clip_eps=0.1, rollout_correction="sequence_mask", is_floor=0.0, is_cap=1.0)
     results = {}
     for mode in ("none", "exact", "tree"):  # "none": the loop episode is one sample per turn, in several rows
-        inputs = build_step(as_trajectories(eps, mode), advantage="grpo", loss_agg="seq_mean")
+        inputs = build_step(as_trajectories(eps, mode), advantage="grpo", loss_agg="seq_mean", prefix_trees=False)
         results[mode] = run_step(model, inputs, pack(inputs.samples, BUDGET), cfg)
     trees = build_step(as_trajectories(eps, "exact"), advantage="grpo", loss_agg="seq_mean", prefix_trees=True)
     results["exact, prefix trees"] = run_step(model, trees, pack(trees.samples, BUDGET), cfg)

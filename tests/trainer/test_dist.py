@@ -43,7 +43,7 @@ if comm.leader:
              Call([1, 2, 3, 4, 5, 6, 7], [8, 9], [-0.75, -2.0], 3, "m", temperature=1.4)]
     group = [Trajectory("t", "g", i, f"e{i}", "m", float(i), tuple(merge_calls(calls, "tree", episode_id=f"e{i}",
                         reward=float(i))), group_size=2) for i in range(2)]
-    inputs = build_step([group], advantage="grpo", loss_agg="token_mean")
+    inputs = build_step([group], advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     rows = pack(inputs.samples, 10)
     plan = Plan(publish=True, step=7, version=3, lr=0.5)
 plan = comm.share_plan(plan)

@@ -110,11 +110,11 @@ def two_turns(version=0):
 def test_loss_weights_token_mean_and_seq_mean():
     g = [traj("g", 0, size=2, reward=1.0, calls=two_turns(), mode="none"),
          traj("g", 1, size=2, reward=0.0, calls=[call([1, 2], [7])])]
-    tok = build_step([g], advantage="no_std", loss_agg="token_mean")
+    tok = build_step([g], advantage="no_std", loss_agg="token_mean", prefix_trees=False)
     assert (tok.n_tokens, tok.n_sequences) == (4, 2)
     # entries: member 0 has two samples (mode none), member 1 one
     assert tok.advantages.tolist() == [0.5, 0.5, -0.5] and tok.weights.tolist() == [0.25] * 3
-    seq = build_step([g], advantage="no_std", loss_agg="seq_mean")
+    seq = build_step([g], advantage="no_std", loss_agg="seq_mean", prefix_trees=False)
     # 2 sequences: member 0's 3 tokens share 1/(2*3), member 1's token 1/(2*1)
     assert seq.weights.tolist() == pytest.approx([1 / 6, 1 / 6, 1 / 2])
     assert seq.rewards == [1.0, 0.0]
@@ -130,5 +130,6 @@ def test_dict_rewards_map_each_sample_to_its_agent():
         b = Sample((3, 4), (-1, 0), (0, 1), (0.0, -0.5), (-1, 0), (-1, 0), MODEL, ("b",), (f"e{i}",), (rb,))
         return traj("g", i, size=2, reward={"a": ra, "b": rb}, samples=(a, b))
 
-    step = build_step([[member(0, 1.0, 5.0), member(1, 0.0, 1.0)]], advantage="no_std", loss_agg="token_mean")
+    step = build_step([[member(0, 1.0, 5.0), member(1, 0.0, 1.0)]], advantage="no_std", loss_agg="token_mean",
+                      prefix_trees=False)
     assert step.advantages.tolist() == [0.5, 2.0, -0.5, -2.0]

@@ -29,7 +29,7 @@ def test_one_step_changes_every_trainable_parameter(tiny_model):
     cfg = TrainerConfig(lr=1e-3, kl_coef=0.1, grad_clip=1.0)
     b = TorchBackend(str(tiny_model), cfg)
     before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
-    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     stats = b.train_step(pack(inputs.samples, 64), inputs, lr=cfg.lr)
     assert stats.tokens == 7 and stats.rows >= 1 and stats.grad_norm > 0
     unchanged = [n for n, p in b.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
@@ -47,7 +47,7 @@ def test_a_bfloat16_step_on_cpu_changes_every_parameter_and_publishes_bfloat16_w
     cfg = TrainerConfig(lr=1e-3, dtype="bfloat16", device="cpu")
     b = TorchBackend(str(tiny_model), cfg)
     before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
-    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     stats = b.train_step(pack(inputs.samples, 64), inputs, lr=cfg.lr)
     assert stats.tokens == 7 and stats.grad_norm > 0 and torch.isfinite(torch.tensor(stats.loss))
     unchanged = [n for n, p in b.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
@@ -71,7 +71,7 @@ def test_a_bfloat16_step_on_cpu_changes_every_parameter_and_publishes_bfloat16_w
 
 def test_a_checkpoint_round_trips_model_optimiser_and_rng(tiny_model, tmp_path):
     cfg = TrainerConfig(lr=1e-3)
-    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     rows = pack(inputs.samples, 64)
     a = TorchBackend(str(tiny_model), cfg)
     a.train_step(rows, inputs, lr=1e-3)
@@ -111,7 +111,7 @@ def test_merged_and_unmerged_samples_give_the_same_loss_and_gradients(loss_agg, 
     results = {}
     for mode in ("none", "exact", "tree"):
         model.zero_grad()
-        inputs = build_step(as_trajectories(eps, mode), advantage="grpo", loss_agg=loss_agg)
+        inputs = build_step(as_trajectories(eps, mode), advantage="grpo", loss_agg=loss_agg, prefix_trees=False)
         rows = pack(inputs.samples, BUDGET)
         stats = accumulate(model, rows, inputs, cfg, lambda loss, _last: loss.backward(), ref_model=ref)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 
 from jet import rows as datasets
+from jet import sampling
 from jet.config import JetConfig, TaskConfig
 from jet.errors import ConfigError, GenerationError
 from jet.keys import Keys
@@ -48,7 +49,7 @@ class LocalClient(LLMClient):
 
     async def generate(self, request: GenRequest, timeout_s: float | None = None) -> GenResult:
         greedy = self.greedy or request.temperature == 0
-        sp = SamplingParams(temperature=0.0 if greedy else request.temperature, top_p=1.0 if greedy else request.top_p,
+        sp = SamplingParams(**(sampling.GREEDY if greedy else sampling.settings_of(request)),
                             max_tokens=request.max_tokens, stop_token_ids=request.stop_token_ids, seed=request.seed)
         out = await self.backend.agenerate_one(list(request.prompt_ids), sp)
         if out.finish_reason == "error":

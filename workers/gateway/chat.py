@@ -9,7 +9,8 @@ its server-sent-event chunks. Pure functions: no I/O, no tokenizer.
 
 Accepted: messages with roles system / developer (as system) / user /
 assistant / tool, text content as a string or text parts, assistant
-`tool_calls`, `tools` (functions), temperature, top_p, max_tokens /
+`tool_calls`, `tools` (functions), the sampling settings (`jet.sampling.PARAMS`:
+temperature, top_p), max_tokens /
 max_completion_tokens, stop (strings; the gateway maps them to single stop
 tokens), seed, stream (+ stream_options.include_usage), n = 1, logprobs
 (the sampled tokens' behaviour logprobs, under the request's temperature and
@@ -47,12 +48,15 @@ from pydantic import (
     Field,
     Strict,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from jet.errors import JetError
+from jet.sampling import PARAMS as SETTINGS
+from jet.sampling import Param
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -136,8 +140,6 @@ def _at_least(low: int):
     return AfterValidator(check)
 
 
-Temperature = Annotated[float, Strict(), _in_range(0, 2)]
-TopP = Annotated[float, Strict(), _in_range(0, 1, low_open=True)]
 Count = Annotated[int, Strict(), _at_least(1)]  # max_tokens and the like
 
 
@@ -183,12 +185,20 @@ class Format(Body):
                 "the reply may not parse; the reward decides")
 
 
-class Sampling(Body):
+def _setting(p: Param) -> Any:
+    """A setting of the sampling distribution as a body field: a number in its range, or in the OpenAI API's
+    where that is narrower (temperature: [0, 2])."""
+    return Annotated[float, Strict(), _in_range(p.low, p.high if p.api_high is None else p.api_high, p.low_open)] | None
+
+
+# Every setting of the sampling distribution (`jet.sampling.PARAMS`: temperature, top_p), an optional field each.
+Settings = create_model("Settings", __base__=Body, **{p.name: (_setting(p), None) for p in SETTINGS})
+
+
+class Sampling(Settings):
     """What both APIs share: the model, sampling, stop strings, tools choice, logprobs, streaming."""
 
     model: str | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
     seed: int | None = None
     stop: Stop = ()
     stream: bool = False
@@ -205,7 +215,7 @@ class Sampling(Body):
         return top
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        values = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": max_tokens, "seed": self.seed}
+        values = {**{p.name: getattr(self, p.name) for p in SETTINGS}, "max_tokens": max_tokens, "seed": self.seed}
         return {k: v for k, v in values.items() if v is not None}
 
 

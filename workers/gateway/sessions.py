@@ -55,6 +55,7 @@ from jet.keys import Keys
 from jet.llm import ChatCompletion, LLMClient, Session
 from jet.queues import codec
 from jet.queues.connect import translated
+from jet.sampling import NEUTRAL, settings_of
 from jet.timeline import Call
 from jet.workers.gateway.auth import Claims, InvalidKey, Signer
 from jet.workers.gateway.chat import ChatRequest
@@ -236,7 +237,7 @@ def call_fields(messages: list[dict], tools: list[dict] | None, done: ChatComple
     """A calls-stream entry: the Call, and the kept turn it leaves (for `restore`)."""
     c = done.call
     meta = {"model": c.model, "agent": c.agent, "version": c.version, "finish_reason": c.finish_reason,
-            "temperature": c.temperature, "top_p": c.top_p,
+            **settings_of(c),
             "keys": [message_key(m) for m in [*messages, done.message]], "tools": tools_key(tools)}
     if response is not None:
         meta["response"] = {"id": response[0], "conversation": response[1]}
@@ -255,7 +256,7 @@ def decode_call(fields: dict) -> tuple[Call, dict] | None:
     try:
         call = Call(tuple(p.arrays["prompt"]), tuple(p.arrays["completion"]), tuple(p.arrays["logprobs"]),
                     int(m["version"]), str(m["model"]), str(m["agent"]), str(m["finish_reason"]),
-                    temperature=float(m.get("temperature", 1.0)), top_p=float(m.get("top_p", 1.0)))
+                    **{name: float(m.get(name, neutral)) for name, neutral in NEUTRAL.items()})
     except (KeyError, TypeError, ValueError) as e:
         raise CodecError(f"malformed {CALL!r} entry: {e}") from None
     return call, m

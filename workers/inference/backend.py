@@ -31,6 +31,7 @@ from jet import sampling
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    # the settings of the distribution (`jet.sampling.PARAMS`: one field each, checked by `request_error`)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     max_tokens: int = 256  # new tokens at most; clipped to the context left
@@ -118,7 +119,7 @@ def check_sha256(file: Path, sha256: str | None) -> None:
 
 
 def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vocab_size: int) -> str | None:
-    """Why a request cannot be served by any backend (None when it can); top_p is each backend's own."""
+    """Why a request cannot be served by any backend (None when it can)."""
     if not prompt:
         return "empty prompt"
     if len(prompt) >= context_length:
@@ -126,8 +127,9 @@ def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vo
                 f"{context_length} tokens")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         return f"prompt has token ids outside the vocabulary [0, {vocab_size})"
-    if not sp.temperature >= 0:
-        return f"temperature must be >= 0, got {sp.temperature}"
+    bad = sampling.errors(sp)
+    if bad:
+        return bad
     if sp.max_tokens < 1:
         return f"max_tokens must be >= 1, got {sp.max_tokens}"
     return None
@@ -138,19 +140,20 @@ def pick_tokens(logits, params: list[SamplingParams], gens: list) -> list[tuple[
     both APIs (see the module docstring for what the logprob is: `jet.sampling`)."""
     import torch
 
-    temps = torch.tensor([sp.temperature or 1.0 for sp in params], device=logits.device)
-    top_ps = torch.tensor([sp.top_p if sp.temperature else 1.0 for sp in params], device=logits.device)
-    logp = sampling.tempered_logprobs(logits, temps)
-    nucleus = sampling.nucleus_mask(logp, top_ps)
-    picks = [_sample(logits[r], logp[r], sp, gen, nucleus[r]) for r, (sp, gen) in enumerate(zip(params, gens))]
-    reported = sampling.renormalised(logp, torch.tensor(picks, device=logits.device), top_ps, nucleus).tolist()
+    settings = sampling.table([sampling.drawn_with(sp) for sp in params], device=logits.device)
+    logp = sampling.transformed(logits, settings)
+    kept = sampling.support(logp, settings)
+    picks = [_sample(logits[r], logp[r], sp, gen, kept[r]) for r, (sp, gen) in enumerate(zip(params, gens))]
+    picked = torch.tensor(picks, device=logits.device)
+    reported = sampling.renormalised(logp, picked, sampling.narrowed(settings), kept).tolist()
     return list(zip(picks, reported))
 
 
-def _sample(logits, logp, sp: SamplingParams, gen, nucleus=None) -> int:
+def _sample(logits, logp, sp: SamplingParams, gen, kept=None) -> int:
     """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy.
 
-    `nucleus` is the row's top-p mask (`jet.sampling.nucleus_mask`), computed here when not given.
+    `logp` is the row's reshaped log-probabilities (`jet.sampling.transformed`) and `kept` its support
+    (`jet.sampling.support`), computed here when not given.
     """
     import torch
 
@@ -158,10 +161,10 @@ def _sample(logits, logp, sp: SamplingParams, gen, nucleus=None) -> int:
         return int(torch.argmax(logits).item())
     u = torch.rand((), generator=gen, dtype=torch.float64).item()
     probs = logp.double().exp()
-    if sp.top_p < 1:
-        if nucleus is None:
-            nucleus = sampling.nucleus_mask(logp[None], torch.tensor([sp.top_p], device=logp.device))[0]
-        probs = torch.where(nucleus, probs, torch.zeros_like(probs))
+    if sampling.narrows(sampling.settings_of(sp)):
+        if kept is None:
+            kept = sampling.support(logp[None], sampling.table([sampling.settings_of(sp)], device=logp.device))[0]
+        probs = torch.where(kept, probs, torch.zeros_like(probs))
     cdf = torch.cumsum(probs, dim=0)  # token-id order, so batch noise cannot reorder it
     target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
     idx = int(torch.searchsorted(cdf, target, right=True).item())

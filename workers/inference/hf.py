@@ -149,8 +149,6 @@ class HFBackend(Slotted):
         return self._engine
 
     def _request_error(self, prompt: list[int], sp: SamplingParams) -> str | None:
-        if not 0 < sp.top_p <= 1:
-            return f"top_p must be in (0, 1], got {sp.top_p}"
         return request_error(prompt, sp, self.context_length, self.vocab_size)
 
     def _left_pad(self, prompts: list[list[int]]):

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import anyio
 
+from jet import sampling
 from jet.errors import ConfigError, WeightsError
 from jet.wire import WEIGHTS_FILE
 from jet.workers.inference.backend import (GenOutput, SamplingParams, Slotted, check_sha256, request_error,
@@ -106,8 +107,6 @@ class VLLMBackend(Slotted):
         return self.engine.model_config.max_model_len
 
     def _request_error(self, prompt: list[int], sp: SamplingParams) -> str | None:
-        if not 0 < sp.top_p <= 1:
-            return f"top_p must be in (0, 1], got {sp.top_p}"
         return request_error(prompt, sp, self.context_length, self.vocab_size)
 
     async def agenerate(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -137,7 +136,8 @@ class VLLMBackend(Slotted):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        vsp = VSamplingParams(temperature=sp.temperature, top_p=sp.top_p if sp.temperature else 1.0, seed=sp.seed,
+        # vLLM takes every setting of jet.sampling.PARAMS under its name, the rest neutral when greedy
+        vsp = VSamplingParams(**(sampling.settings_of(sp) if sp.temperature else sampling.GREEDY), seed=sp.seed,
                               max_tokens=min(sp.max_tokens, self.context_length - len(prompt)),
                               stop_token_ids=list(sp.stop_token_ids), logprobs=0, detokenize=False,
                               skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)

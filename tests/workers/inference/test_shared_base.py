@@ -29,7 +29,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3, 4]]
 
 def trained_adapters(tiny_model, folder, specs) -> list:
     """One adapter version folder per (AdapterConfig, seed, steps): what trainers publish."""
-    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     rows = pack(inputs.samples, 64)
     out = []
     for i, (adapter, seed, steps) in enumerate(specs):
