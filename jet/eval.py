@@ -1,17 +1,18 @@
-"""`jet eval --model PATH_OR_ID --task NAME [--n 100]`: greedy accuracy on a task's held-out problems.
+"""Greedy accuracy of a model on a task's held-out problems: what `jet eval` (jet/cli/eval.py) runs.
 
 What it is: the model (a folder, a Hub id, or a published weight version of a run,
 `runs/<run>/weights/<model>/v<N>`) answers the first `n` evaluation rows of a built-in task that
 has an evaluation split greedily, in batches, with an inference worker's backend and sampler, through
-its own chat template (`jet.tokenizer`, as an env worker renders it). A single-turn task has
-`eval_rows`, `messages` and `score` in its module (`jet.tasks.add`): each reply is scored by the task's
-reward. A multi-turn task has `eval_rows` and `environment` (`jet.tasks.tally`): every row's dialogue
-is played turn by turn, the live rows of a batch generated together, each reply handed to the row's
-environment, whose next message is appended (the same loop as its agent), until it ends; the row's
-result is the environment's reward. It prints the mean result with a 95% interval (Wilson for 0/1
-results, a normal interval for fractional ones), and with `--json` also each row's result in eval
-order, so two evaluations of one task can be compared row by row (a paired test, as `jet bench trl`
-does).
+its own chat template (`jet.tokenizer`, as an env worker renders it). The task's module is loaded and
+checked by `jet.tasks.held_out_task` (the protocol: `jet.tasks.protocol`). A single-turn task
+(`jet.tasks.add`): each reply to `messages(row)` is scored by the task's reward, `score(row, reply)`. A
+multi-turn task (`jet.tasks.tally`): every row's dialogue with its `environment(row)` is played turn by
+turn, the live rows of a batch generated together, each reply handed to the row's environment, whose
+next message is appended (the same loop as its agent), until it ends; the row's result is the
+environment's reward. The report holds the mean result with a 95% interval (Wilson for 0/1 results, a
+normal interval for fractional ones) and each row's result in eval order, so two evaluations of one
+task can be compared row by row (a paired test, as `jet bench trl` does). The command that prints it,
+`jet eval`, lives in jet/cli/eval.py; this module has no click.
 
 A published version holds only `model.safetensors` and `config.json`, or, for a model training an
 adapter, `adapter_model.safetensors` and `adapter_config.json` (`jet.adapters`); its base, tokenizer
@@ -26,31 +27,16 @@ running them (`jet up --episodes`).
 
 from __future__ import annotations
 
-import importlib
 import time
 from pathlib import Path
 from typing import Any
-
-import click
 
 from jet.adapters import is_adapter
 from jet.errors import ConfigError
 from jet.runs import RunDir, weight_version_of
 from jet.stats import interval
+from jet.tasks import held_out_task
 from jet.wire import WEIGHTS_FILE
-
-
-def task_module(name: str) -> Any:
-    """The module of built-in task `name`, which must have an evaluation split."""
-    try:
-        module = importlib.import_module(f"jet.tasks.{name}")
-    except ModuleNotFoundError:
-        raise ConfigError(f"--task: no built-in task {name!r}") from None
-    needs = ("eval_rows", "environment") if hasattr(module, "environment") else ("eval_rows", "messages", "score")
-    missing = [f for f in needs if not hasattr(module, f)]
-    if missing:
-        raise ConfigError(f"--task: {name!r} has no evaluation split (jet.tasks.{name} lacks {', '.join(missing)})")
-    return module
 
 
 def published_version(path: Path) -> tuple[Path, str, int] | None:
@@ -96,10 +82,10 @@ def evaluate(spec: str, task: str, n: int = 100, *, seed: int = 0, device: str =
     """Greedy results of `spec` on the first `n` evaluation rows of `task` (see the module docstring)."""
     from jet.workers.inference.backend import SamplingParams
 
-    module = task_module(task)
-    rows = module.eval_rows(n, seed)
+    held = held_out_task(task)
+    rows = held.eval_rows(n, seed)
     backend, tok, what = loaded or load(spec, device)
-    max_tokens = max_tokens or getattr(module, "MAX_TOKENS", 24)
+    max_tokens = max_tokens or held.max_tokens
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
     def reply(prompts: list[list[int]]) -> list[str]:
@@ -113,11 +99,11 @@ def evaluate(spec: str, task: str, n: int = 100, *, seed: int = 0, device: str =
     t0 = time.monotonic()
     for i in range(0, len(rows), batch):
         chunk = rows[i:i + batch]
-        if hasattr(module, "environment"):
-            results += play(chunk, module.environment, reply, render)
+        if held.kind == "multi":
+            results += play(chunk, held.environment, reply, render)
             continue
-        for r, text in zip(chunk, reply([render(module.messages(r)) for r in chunk])):
-            results.append(int(module.score(r, text) >= 1.0))
+        for r, text in zip(chunk, reply([render(held.messages(r)) for r in chunk])):
+            results.append(int(held.score(r, text) >= 1.0))
     k = sum(results)
     lo, hi = interval(results) if results else (0.0, 1.0)
     return {"model": what, "task": task, "n": len(results), "seed": seed, "correct": k,
@@ -142,29 +128,3 @@ def play(rows: list[dict], environment, reply, render) -> list[float]:
         live = still
     return [e.reward for e in envs]
 
-
-@click.command("eval")
-@click.option("--model", "spec", required=True,
-              help="A model folder, a Hub id (owner/name[@revision]), or runs/<run>/weights/<model>/v<N>.")
-@click.option("--task", default="add", show_default=True, help="A built-in task with an evaluation split.")
-@click.option("--n", type=click.IntRange(1), default=100, show_default=True, help="Evaluation rows.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Which evaluation rows (their order).")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
-@click.option("--batch", type=click.IntRange(1), default=16, show_default=True, help="Prompts generated at once.")
-@click.option("--max-tokens", type=click.IntRange(1), default=None,
-              help="Completion tokens per turn (default: the task's MAX_TOKENS, else 24).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (with each row's 0/1).")
-def cli(spec, task, n, seed, device, batch, max_tokens, as_json) -> None:
-    """Greedy accuracy (mean reward) of a model on a task's held-out problems, with a 95% interval."""
-    import orjson
-
-    try:
-        report = evaluate(spec, task, n, seed=seed, device=device, batch=batch, max_tokens=max_tokens)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    if as_json:
-        click.echo(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-        return
-    lo, hi = report["ci95"]
-    click.echo(f"{report['model']} on {task}: {report['correct']:g}/{report['n']} = {report['accuracy']:.3f} "
-               f"(95% CI {lo:.3f}-{hi:.3f}), greedy, {report['seconds']:.0f} s")

@@ -1,4 +1,5 @@
-"""jet eval and the add task: the held-out split, the reward, the interval, published versions."""
+"""jet eval (jet/cli/eval.py over jet.eval) and the add task: the held-out split, the reward, the interval,
+published versions."""
 
 import json
 import shutil
@@ -7,7 +8,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from jet.eval import cli, evaluate, published_version, task_module
+from jet.cli.eval import cli
+from jet.eval import evaluate, published_version
 from jet.stats import wilson
 from jet.tasks import add, dataset
 
@@ -36,12 +38,10 @@ def test_wilson_interval_matches_hand_computed_values():
 
 
 def test_tasks_without_an_eval_split_are_refused():
-    from jet.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="'guess' has no evaluation split"):
-        task_module("guess")
-    with pytest.raises(ConfigError, match="no built-in task 'nope'"):
-        task_module("nope")
+    """Before any model is loaded: the task is checked first."""
+    for task, why in (("guess", "task 'guess' has no held-out split"), ("nope", "task 'nope' is no built-in task")):
+        res = CliRunner().invoke(cli, ["--model", "/no/such/model", "--task", task])
+        assert res.exit_code == 1 and why in res.output, res.output
 
 
 @pytest.fixture(scope="module")

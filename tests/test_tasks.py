@@ -1,13 +1,17 @@
-"""Built-in tasks: datasets, the guessing game's rules and reward, the safe evaluator, the two-model team."""
+"""Built-in tasks: datasets, the guessing game's rules and reward, the safe evaluator, the two-model team,
+the held-out task protocol (every task with a held-out split keeps it; a module missing a piece is named)."""
+
+from types import SimpleNamespace
 
 import anyio
 import pytest
 
 from jet.errors import ConfigError
-from jet.tasks import dataset, names
-from jet.tasks.expressions import evaluate
+from jet.tasks import DATASETS, HELD_OUT, dataset, held_out, held_out_task, names
+from jet.tasks.arith import evaluate
 from jet.tasks.guess import feedback, first_int, score
 from jet.tasks.propose import workflow as propose
+from jet.tasks.protocol import spec_of
 from jet.wire import Task
 
 
@@ -84,3 +88,65 @@ def test_framework_tasks_rules_and_rewards():
     assert spell.score(["Retto!"], "retto") == 1.0 and spell.score(["no", "retto"], "retto") == 0.5
     assert spell.score(["rexxx"], "retto") == pytest.approx(0.3 * 0.4) and spell.score([], "retto") == 0.0
     assert all(r["answer"] == r["word"][::-1] for r in dataset("spell", 20))
+
+
+def test_every_task_with_a_held_out_split_keeps_the_protocol():
+    kinds = {}
+    for name in HELD_OUT:
+        spec = held_out_task(name)
+        kinds[name] = (spec.kind, spec.max_tokens, spec.turns)
+        assert name in DATASETS and spec.name == f"jet.tasks.{name}"
+        rows = spec.eval_rows(3, 0)
+        assert rows == held_out(name, 3, 0) and len(rows) == 3
+        if spec.kind == "single":
+            assert spec.environment is None and isinstance(spec.messages(rows[0]), list)
+            assert isinstance(spec.score(rows[0], "no number"), float)
+        else:
+            env = spec.environment(rows[0])
+            assert spec.messages is None and env.opening()[-1]["role"] == "user"
+            assert isinstance(env.answer("1"), str) and 0.0 <= env.reward <= 1.0
+    assert kinds == {"add": ("single", 24, 1), "tally": ("multi", 8, 4)}
+
+
+def _fake(**parts):
+    return SimpleNamespace(__name__="jet.tasks.x", **parts)
+
+
+def rows_of(n, seed):
+    return [{"n": i} for i in range(n)]
+
+
+@pytest.mark.parametrize("parts, message", [
+    ({"messages": print}, "jet.tasks.x lacks eval_rows and score (a single-turn task defines"),
+    ({}, "jet.tasks.x lacks eval_rows, messages and score"),
+    ({"eval_rows": rows_of, "score": print}, "jet.tasks.x lacks messages ("),
+    ({"eval_rows": rows_of, "environment": dict}, "jet.tasks.x lacks TURNS (a multi-turn task (it has an environment"),
+    ({"environment": dict, "TURNS": 2}, "jet.tasks.x lacks eval_rows (a multi-turn"),
+    ({"eval_rows": rows_of, "messages": "hi", "score": print}, "jet.tasks.x: messages must be callable"),
+    ({"eval_rows": rows_of, "messages": print, "score": print, "MAX_TOKENS": 0},
+     "jet.tasks.x.MAX_TOKENS: expected an int >= 1, got 0"),
+    ({"eval_rows": rows_of, "environment": dict, "TURNS": "4"}, "jet.tasks.x.TURNS: expected an int >= 1, got '4'"),
+])
+def test_the_protocol_check_names_what_a_module_lacks(parts, message):
+    with pytest.raises(ConfigError) as e:
+        spec_of(_fake(**parts))
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_module_that_keeps_the_protocol_is_loaded_whole():
+    single = spec_of(_fake(eval_rows=rows_of, messages=print, score=print, MAX_TOKENS=5))
+    assert (single.kind, single.max_tokens, single.turns) == ("single", 5, 1)
+    assert single.eval_rows(2, 0) == [{"n": 0}, {"n": 1}] and single.environment is None
+    multi = spec_of(_fake(eval_rows=rows_of, environment=dict, TURNS=3, messages=print))
+    assert (multi.kind, multi.turns, multi.max_tokens) == ("multi", 3, 24)
+    assert multi.messages is None and multi.environment is dict  # an environment wins over stray messages
+
+
+def test_only_tasks_with_a_held_out_split_load():
+    with pytest.raises(ConfigError, match="task 'guess' has no held-out split; built-in tasks with a held-out "
+                                          "split: add, tally"):
+        held_out_task("guess")
+    with pytest.raises(ConfigError, match="task 'nope' is no built-in task"):
+        held_out_task("nope")
+    with pytest.raises(ConfigError, match="dataset 'arith' has no built-in held-out split"):
+        held_out("arith")

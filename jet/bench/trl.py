@@ -280,9 +280,9 @@ def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, e
     import dataclasses
     import tempfile
 
-    import jet.eval
     from jet.bench import trl_curves
     from jet.sources import resolve_model
+    from jet.tasks import held_out_task
 
     say = progress(as_json)
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="jet-bench-trl-"))
@@ -290,14 +290,14 @@ def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, e
     model = resolve_model(model_spec, "--model")
     model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().is_dir() else model
     marks = trl_curves.mark_times(budget_s, mark_every_s or budget_s / 10)
-    module = jet.eval.task_module(task)
+    held = held_out_task(task)
     chosen = [a.strip() for a in arms.split(",")] if arms else (["jet", "trl"] if task == "add"
                                                                 else ["jet", "jet-flat", "trl"])
     unknown = [a for a in chosen if a not in ARMS]
     if unknown:
         raise click.BadParameter(f"unknown arm(s) {unknown}; expected some of {list(ARMS)}", param_hint="--arms")
     s = Shared(task=task, group_size=group_size, batch_groups=batch_groups, lr=lr, temperature=temperature,
-               max_tokens=max_tokens or getattr(module, "MAX_TOKENS", 24), max_turns=getattr(module, "TURNS", 1),
+               max_tokens=max_tokens or held.max_tokens, max_turns=held.turns,
                seed=seed, device=device)
     lora = Lora(r=lora_r, alpha=lora_alpha, lr=lora_lr if lora_lr is not None else LORA_LR_FACTOR * lr)
     from jet.cli.up import cpu_count

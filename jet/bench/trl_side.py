@@ -17,6 +17,7 @@ does not require accumulation, and one micro-batch per group on a multi-turn tas
 one forward was OOM-killed at 23.8 GB resident on a 24 GB machine. Either way the update is Jet's
 token_mean one (tests/bench/test_trl_side.py checks the loss and every gradient against Jet's trainer).
 
+The task is loaded and checked by `jet.tasks.held_out_task` (the protocol: `jet.tasks.protocol`).
 Single-turn tasks (`add`) use TRL's own generation: prompts `messages(row)` in conversational form,
 reward `score(row, reply)`. Multi-turn tasks (those with an `environment`, `tally`) use `rollout_func`,
 TRL's documented hook for custom multi-turn rollouts (its `tools=` / `environment_factory=` need a chat
@@ -71,9 +72,9 @@ GUARD_MIN_S = 5.0  # a mark due within this (or 4 longest updates) of an update:
 
 def multi_turn(task: str) -> bool:
     """Whether built-in task `task` has an environment (a multi-turn dialogue through `rollout_func`)."""
-    import importlib
+    from jet.tasks import held_out_task
 
-    return hasattr(importlib.import_module(f"jet.tasks.{task}"), "environment")
+    return held_out_task(task).kind == "multi"
 
 
 def micro_batches_for(s: dict, given: int | None = None) -> tuple[int, str]:
@@ -120,10 +121,11 @@ def grpo_config(s: dict, out: str, generation: str = "generate", micro_batches: 
 
 
 class MultiTurn:
-    """`rollout_func` for a task with an environment: plays each prompt's episode to its end."""
+    """`rollout_func` for a task with an environment (`task`: its `jet.tasks.protocol.TaskSpec`): plays
+    each prompt's episode to its end."""
 
-    def __init__(self, module, s: dict, generation: str):
-        self.module, self.s, self.generation = module, s, generation
+    def __init__(self, task, s: dict, generation: str):
+        self.task, self.s, self.generation = task, s, generation
         self.prefilled: list[int] = []  # per episode of the last rollout: prompt tokens its turns prefilled
         self.model_turns: list[int] = []  # per episode of the last rollout: runs of model tokens (env_mask 1)
 
@@ -131,7 +133,7 @@ class MultiTurn:
         import copy
 
         tok = trainer.processing_class
-        envs = [self.module.environment(json.loads(p[0]["episode"])) for p in prompts]
+        envs = [self.task.environment(json.loads(p[0]["episode"])) for p in prompts]
         dialogues = [[{"role": m["role"], "content": m["content"]} for m in p] for p in prompts]
         prompt_ids = [render(tok, d) for d in dialogues]
         seqs = [list(p) for p in prompt_ids]
@@ -311,20 +313,20 @@ class Marks:
 
 def build(a: dict):
     """(the GRPOTrainer of the arguments `a`, its `MultiTurn` rollout or None, its token counters)."""
-    import importlib
-
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
+    from jet.tasks import held_out_task
+
     s = a["shared"]
-    module = importlib.import_module(f"jet.tasks.{s['task']}")
+    task = held_out_task(s["task"])
     rows = [json.loads(line) for line in Path(a["rows"]).read_text().splitlines() if line.strip()]
-    rollout = MultiTurn(module, s, a["generation"]) if hasattr(module, "environment") else None
+    rollout = MultiTurn(task, s, a["generation"]) if task.kind == "multi" else None
     if rollout is not None:
         def opening(row):
-            first, *rest = module.environment(row).opening()
+            first, *rest = task.environment(row).opening()
             return [{**first, "episode": json.dumps(row)}, *[{**m, "episode": None} for m in rest]]
 
         dataset = Dataset.from_list([{"prompt": opening(r)} for r in rows])
@@ -332,10 +334,10 @@ def build(a: dict):
         def reward(completions, episode_reward, **_):
             return [float(r) for r in episode_reward]
     else:
-        dataset = Dataset.from_list([{"prompt": module.messages(r), "row": json.dumps(r)} for r in rows])
+        dataset = Dataset.from_list([{"prompt": task.messages(r), "row": json.dumps(r)} for r in rows])
 
         def reward(completions, row, **_):
-            return [module.score(json.loads(x), c[-1]["content"] if isinstance(c, list) else c)
+            return [task.score(json.loads(x), c[-1]["content"] if isinstance(c, list) else c)
                     for c, x in zip(completions, row)]
 
     counted = {"forward": 0, "prefilled": 0}

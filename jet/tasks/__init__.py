@@ -8,9 +8,9 @@ Built-in datasets and the workflows that play them:
 - "guess": a hidden number, guessed with higher/lower feedback
   (`jet.tasks.guess:workflow`, written against `jet.llm`);
 - "arith": an arithmetic question and its integer answer, e.g.
-  {"question": "12 + 7 * 3", "answer": 33} (`jet.tasks.expressions`), answered
-  with a calculator tool by `jet.tasks.arith:workflow`, an agent written
-  against the `openai` SDK that reaches the model through the gateway;
+  {"question": "12 + 7 * 3", "answer": 33}, answered with a calculator tool by
+  `jet.tasks.arith:workflow`, an agent written against the `openai` SDK that
+  reaches the model through the gateway;
 - "add": two-digit addition ("What is 47 + 38? Answer with just the number."),
   a real pretrained model's task, with a held-out evaluation split that shares
   no problem with training (`jet.tasks.add`: `workflow` on the `openai` SDK,
@@ -31,8 +31,12 @@ Agent frameworks, trained unchanged through the gateway (the `agents` extra):
 - "lookup": an animal's code number with a function tool, an OpenAI Agents
   SDK agent on the Responses API (`jet.tasks.lookup:workflow`, streamed) or on
   chat completions (`jet.tasks.lookup:chat_workflow`);
-- "spell": a word backwards, an agent speaking plain HTTP with `httpx`
+- "spell": a word backwards, an agent speaking plain HTTP with `httpx2`
   (`jet.tasks.spell:workflow`).
+
+Tasks with a held-out split (`HELD_OUT`: "add", "tally") keep the held-out task
+protocol (`jet.tasks.protocol`): `held_out_task(name)` loads one, checked, for
+`jet eval` and `jet bench trl`; `held_out(name, n, seed)` gives its rows.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ from __future__ import annotations
 import importlib
 
 from jet.errors import ConfigError
+from jet.tasks.protocol import TaskSpec, spec_of
 
 DATASETS = {
     "guess": "jet.tasks.guess:rows",
-    "arith": "jet.tasks.expressions:rows",
+    "arith": "jet.tasks.arith:rows",
     "add": "jet.tasks.add:rows",
     "tally": "jet.tasks.tally:rows",
     "propose": "jet.tasks.propose:rows",
@@ -52,12 +57,10 @@ DATASETS = {
     "spell": "jet.tasks.spell:rows",
 }
 
-
-# Built-in datasets with a held-out split no training row shares (`tasks[].eval`, `jet eval`).
-HELD_OUT = {
-    "add": "jet.tasks.add:eval_rows",
-    "tally": "jet.tasks.tally:eval_rows",
-}
+# Built-in tasks with a held-out split no training row shares (`tasks[].eval`, `jet eval`, `jet bench
+# trl`): each module jet.tasks.<name> keeps the held-out task protocol (`jet.tasks.protocol`), and its
+# name is also its built-in dataset's.
+HELD_OUT = ("add", "tally")
 
 
 def names() -> list[str]:
@@ -75,10 +78,17 @@ def dataset(name: str, n: int = 100, seed: int = 0) -> list[dict]:
     return getattr(importlib.import_module(module), fn)(n, seed)
 
 
+def held_out_task(name: str) -> TaskSpec:
+    """Built-in task `name`'s module, checked against the held-out task protocol (`jet.tasks.protocol`)."""
+    if name not in HELD_OUT:
+        what = "has no held-out split" if name in DATASETS else "is no built-in task"
+        raise ConfigError(f"task {name!r} {what}; built-in tasks with a held-out split: {', '.join(HELD_OUT)}")
+    return spec_of(importlib.import_module(f"jet.tasks.{name}"))
+
+
 def held_out(name: str, n: int = 100, seed: int = 0) -> list[dict]:
     """`n` rows of the held-out split of built-in dataset `name` (no training row is among them)."""
     if name not in HELD_OUT:
         raise ConfigError(f"dataset {name!r} has no built-in held-out split; built-in ones: "
-                          f"{', '.join(sorted(HELD_OUT))} (or give a file of held-out rows)")
-    module, _, fn = HELD_OUT[name].partition(":")
-    return getattr(importlib.import_module(module), fn)(n, seed)
+                          f"{', '.join(HELD_OUT)} (or give a file of held-out rows)")
+    return held_out_task(name).eval_rows(n, seed)

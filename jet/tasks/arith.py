@@ -1,10 +1,15 @@
 """The "arith" task: answer an arithmetic question, with a calculator tool, through the OpenAI SDK.
 
+Rows (the built-in dataset "arith", `rows(n, seed)`): {"question": "12 + 7 * 3", "answer": 33}: two
+or three operands in 1..20 joined by + - * (usual precedence, integer results), optionally
+"max_turns" (3), "max_tokens" (48), "temperature" (1.0). `evaluate(text)` computes such an expression
+(numbers, + - * / // %, unary minus, parentheses) without `eval`; anything else raises ValueError.
+
 The agent (`solve`) is plain `openai` code: it knows nothing of Jet. It sends
 the question with a `calculator` tool (OpenAI function calling); each tool call
 is answered with `{"result": value}` (or `{"error": why}`), computed by
-`jet.tasks.expressions.evaluate` (no `eval`); the first reply without tool
-calls is the final answer, and its last number is taken as the answer.
+`evaluate`; the first reply without tool calls is the final answer, and its
+last number is taken as the answer.
 `workflow` points the agent at the episode's gateway (`llm.openai_base_url`,
 `llm.openai_api_key`, see `jet.workers.gateway.app`), so every call is recorded
 in the episode like a `jet.llm` call.
@@ -14,19 +19,18 @@ Reward (returned by `workflow`):
 - else 0.1 for a calculator call that evaluated, plus 0.1 for a final reply
   holding a number: shaping a random tiny model can pick up first.
 `llm.info` gets {"answer", "correct", "tool_calls", "tool_ok", "turns"}.
-
-Rows ("arith", `jet.tasks.expressions.rows`): {"question": "12 + 7 * 3",
-"answer": 33}, optionally "max_turns" (3), "max_tokens" (48), "temperature" (1.0).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
+import random
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jet.tasks.expressions import evaluate
 from jet.wire import Task
 
 SYSTEM = "Use the calculator, then answer with the number."
@@ -34,6 +38,46 @@ TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+MAX_LENGTH = 200  # characters of an expression evaluate() accepts
+
+
+def evaluate(text: str) -> int | float:
+    """The value of an arithmetic expression; ValueError for anything that is not one."""
+    if len(text) > MAX_LENGTH:
+        raise ValueError(f"expression longer than {MAX_LENGTH} characters")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {text!r}") from e
+    return _eval(tree.body)
+
+
+def _eval(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_eval(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
+            raise ValueError("division by zero")
+        return _BINARY[type(node.op)](left, right)
+    raise ValueError(f"unsupported syntax in an arithmetic expression: {ast.dump(node)[:60]}")
+
+
+def rows(n: int, seed: int = 0) -> list[dict]:
+    """`n` rows of the "arith" dataset, deterministic in `seed`."""
+    rng = random.Random(f"arith-{seed}")
+    out = []
+    for _ in range(n):
+        numbers = [rng.randint(1, 20) for _ in range(rng.choice((2, 3)))]
+        ops = [rng.choice("+-*") for _ in numbers[1:]]
+        question = str(numbers[0]) + "".join(f" {op} {x}" for op, x in zip(ops, numbers[1:]))
+        out.append({"question": question, "answer": int(evaluate(question))})
+    return out
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The "spell" task: spell a word backwards, an agent that speaks plain HTTP (`httpx`) to the gateway.
+"""The "spell" task: spell a word backwards, an agent that speaks plain HTTP (`httpx2`) to the gateway.
 
 The agent (`solve`) knows no SDK: it POSTs JSON to
 `<base_url>/chat/completions` with `Authorization: Bearer <key>` and reads
@@ -60,7 +60,7 @@ def score(replies: list[str], answer: str) -> float:
 
 async def solve(http: Any, word: str, *, max_tokens: int = 16, temperature: float = 1.0,
                 model: str = "any") -> list[str]:
-    """Ask `http` (an `httpx.AsyncClient` with the gateway's base URL and key) to reverse `word`."""
+    """Ask `http` (an `httpx2.AsyncClient` with the gateway's base URL and key) to reverse `word`."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Spell '{word}' backwards."}]
     replies: list[str] = []
     for retry in (f"No. Spell '{word}' backwards, letter by letter.", None):
@@ -77,11 +77,11 @@ async def solve(http: Any, word: str, *, max_tokens: int = 16, temperature: floa
 
 async def workflow(task: Task, llm: Any) -> float:
     """One episode: the HTTP agent against this episode's gateway; returns the reward."""
-    import httpx
+    import httpx2  # the HTTP client the OpenAI SDK is built on: in the base install, no second one
 
     row = task.row
     headers = {"Authorization": f"Bearer {llm.openai_api_key}"}
-    async with httpx.AsyncClient(base_url=llm.openai_base_url.rstrip("/") + "/", headers=headers,
+    async with httpx2.AsyncClient(base_url=llm.openai_base_url.rstrip("/") + "/", headers=headers,
                                  timeout=300) as http:
         replies = await solve(http, str(row["word"]), max_tokens=int(row.get("max_tokens", 16)),
                               temperature=float(row.get("temperature", 1.0)), model=llm.model)
