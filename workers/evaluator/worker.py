@@ -219,16 +219,20 @@ class Evaluator:
             return None
         if w.model != self.model or w.version <= self.last_due:
             return None
-        if not w.blob and not any(Path(w.path).resolve().is_relative_to(root) for root in self.roots):
+        if not w.blob and not self._allowed(w.path):
             log.warning("%s: ignoring version %d: %s is outside the allowed weights folders", self.name, w.version,
                         w.path)
             return None
         return w
 
+    def _allowed(self, path: str) -> bool:
+        """Whether `path` is inside the run's weights folder or a configured root (as inference workers check)."""
+        return any(Path(path).resolve().is_relative_to(root) for root in self.roots)
+
     async def _secure(self, r, w: WeightVersion, announced: float) -> None:
         folder = self.cache / f"v{w.version}"
         try:
-            if w.blob and not Path(w.path).exists():
+            if w.blob and not (self._allowed(w.path) and Path(w.path).exists()):  # through Redis, as workers do
                 with translated(self.url):
                     source = await blobs.fetch(r, self.keys, self.model, w.version, w.blob, w.blob_chunks, folder)
             else:
