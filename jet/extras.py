@@ -1,12 +1,13 @@
 """Which optional extra of the `jet-rl` package each role needs, and the one line that says so.
 
 What it is: the base install (`pip install jet-rl`) is a client node: the CLI, the env worker, the
-gateway, the LLM client, `jet enqueue`, `jet status`, `jet dlq` and the queues, with no torch,
-transformers, numpy, scipy, optuna, matplotlib or prometheus-client. The roles that need more name
-their extra here (pyproject.toml's `[project.optional-dependencies]` lists the same names), and a
-role started without it ends with `require`'s one line instead of a traceback from deep inside.
+gateway, the LLM client, `jet enqueue`, `jet feed`, `jet server`, `jet status`, `jet dlq` and the
+queues, with no torch, transformers, numpy, scipy, optuna, matplotlib, prometheus-client or rich.
+The roles that need more name their extra here (pyproject.toml's `[project.optional-dependencies]`
+lists the same names), and a role started without it ends with `require`'s one line instead of a
+traceback from deep inside.
 
-Invariant: `tests/cli/test_packaging.py` checks that every module named here is in the extra's
+Invariant: `tests/test_client_node.py` checks that every module named here is in the extra's
 requirements, so this table and pyproject cannot drift apart silently.
 """
 
@@ -20,9 +21,10 @@ from jet.errors import ConfigError
 EXTRAS: dict[str, tuple[str, ...]] = {
     "infer": ("torch", "transformers", "safetensors"),
     "train": ("torch", "transformers", "safetensors", "matplotlib", "peft"),
-    "study": ("optuna", "scipy", "numpy", "matplotlib"),
+    "study": ("optuna", "scipy", "numpy", "matplotlib", "rich"),
     "dash": ("prometheus_client",),
-    "all": ("torch", "transformers", "safetensors", "matplotlib", "optuna", "scipy", "numpy", "prometheus_client"),
+    "all": ("torch", "transformers", "safetensors", "matplotlib", "optuna", "scipy", "numpy", "prometheus_client",
+            "rich"),
     "vllm": ("vllm",),
     "deepspeed": ("deepspeed",),
 }

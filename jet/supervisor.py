@@ -27,11 +27,18 @@ from its own loop. What it is not: a restart policy for the whole machine
 Child side: `run_role(main)` runs a role's `async main(stop)`; SIGTERM/SIGINT
 or the supervisor's death set `stop` (a second signal exits at once). JetErrors
 end the role with one line on stderr: exit 0 for `Stopped` (SIGTERM while still
-connecting), EXIT_FATAL for fatal errors, 1 otherwise.
+connecting), EXIT_FATAL for fatal errors, 1 otherwise. A torch role on the CPU
+calls `check_threads` once its torch thread count is set: it records the count
+in a folder of this host's temporary directory (`jet-threads-<uid>/<pid>`) and
+logs a warning when the live torch roles recorded there use more threads in all
+than the host has cores (roles started by hand each take torch's default, every
+core; `jet up` splits the cores, `jet.cli.up.thread_shares`). Roles in
+containers with their own /tmp do not see each other.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -378,3 +385,56 @@ def _leaves(e: BaseException) -> list[str]:
     if isinstance(e, BaseExceptionGroup):
         return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
     return [f"{type(e).__name__}: {e}"]
+
+
+THREADS_DIR = "jet-threads"  # <tempdir>/jet-threads-<uid>/<pid>: the torch threads of each torch role of this host
+_threads_warned = False
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def torch_threads_on_host(threads: int, where: str | os.PathLike | None = None) -> dict[int, int]:
+    """Record this process as a torch role using `threads` CPU threads; return every live one's {pid: threads}
+    (the records of processes that are gone are deleted)."""
+    folder = Path(where or tempfile.gettempdir()) / f"{THREADS_DIR}-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    mine = folder / str(os.getpid())
+    if not mine.exists():
+        atexit.register(mine.unlink, missing_ok=True)
+    mine.write_text(str(threads))
+    seen = {}
+    for record in folder.iterdir():
+        try:
+            pid = int(record.name)
+            os.kill(pid, 0)
+            seen[pid] = int(record.read_text() or 0)
+        except ProcessLookupError:
+            record.unlink(missing_ok=True)
+        except (ValueError, OSError):  # a record being written, or not one of ours
+            continue
+    return seen
+
+
+def check_threads(role: str, threads: int, *, cores: int | None = None,
+                  where: str | os.PathLike | None = None) -> str | None:
+    """Record this torch role's `threads` and warn (once a process; the warning is returned too) when the
+    torch roles of this host use more CPU threads in all than it has cores: they would slow each other down."""
+    global _threads_warned
+    seen = torch_threads_on_host(threads, where)
+    cores = cores or host_cores()
+    total = sum(seen.values())
+    if total <= cores or _threads_warned:
+        return None
+    _threads_warned = True
+    each = ", ".join(f"pid {pid}: {n}" for pid, n in sorted(seen.items()))
+    message = (f"{role}: the {len(seen)} torch roles on this host use {total} CPU threads in all ({each}) on "
+               f"{cores} cores, so they slow each other down; give each a share that sums to at most {cores} "
+               f"(models[].threads, trainer.threads, or OMP_NUM_THREADS), as `jet up` does")
+    log.warning("%s", message)
+    return message

@@ -161,7 +161,7 @@ fi
 REDIS_PASSWORD=x "$DOCKER" compose -f docker-compose.yml -f docker-compose.gpu.yml config -q \
   || die "docker-compose.gpu.yml does not validate"
 for profile in redis env infer trainer; do
-  REDIS_PASSWORD=x JET_REDIS_URL=redis://:x@redis-host:6379/0 "$DOCKER" compose -f docker-compose.multinode.yml \
+  REDIS_PASSWORD=x JET_REDIS_URL=redis://:x@redis-host:6390/0 "$DOCKER" compose -f docker-compose.multinode.yml \
     --profile "$profile" config -q || die "docker-compose.multinode.yml --profile $profile does not validate"
 done
 

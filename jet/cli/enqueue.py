@@ -16,6 +16,8 @@ midway, how many went in before it did).
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import uuid
 from typing import Callable
 
@@ -111,12 +113,14 @@ def _rows(file: str | None, dataset: str | None, n: int | None, seed: int) -> tu
 @click.option("--group-size", type=int, default=None, help="Copies per row sharing a group id (default: config or 4).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of a built-in dataset.")
 @click.option("--maxlen", type=int, default=100_000, show_default=True, help="Bound of the tasks stream.")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="Take run, dataset and group size from this config's task.")
+@click.option("--config", "config_path", envvar="JET_CONFIG", type=click.Path(exists=True, dir_okay=False),
+              help="Take run, dataset and group size from this config's task (default: $JET_CONFIG, whose run "
+                   "alone is taken when TASK is not one of its tasks).")
 @run_option
 @redis_url_option
 @run_dir_option
-def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redis_url, run_dir):
+@click.pass_context
+def cli(ctx, task, file, dataset, n, group_size, seed, maxlen, config_path, run, redis_url, run_dir):
     """Write rows as Task messages to tasks:TASK (group_size copies each)."""
     try:
         check_name("task", task)
@@ -125,13 +129,13 @@ def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redi
     cfg = None
     if config_path:
         cfg = load_config(config_path)
-        try:
-            tc = cfg.task(task)
-        except KeyError:
-            raise click.UsageError(f"task {task!r} is not in {config_path}") from None
         run = run or cfg.run
-        dataset = dataset or (None if file else tc.dataset)
-        group_size = group_size or tc.group_size
+        if task in [t.name for t in cfg.tasks]:
+            tc = cfg.task(task)
+            dataset = dataset or (None if file else tc.dataset)
+            group_size = group_size or tc.group_size
+        elif ctx.get_parameter_source("config_path") != click.core.ParameterSource.ENVIRONMENT:
+            raise click.UsageError(f"task {task!r} is not in {config_path}")
     if dataset and not file:
         from jet.rows import kind
 
@@ -148,22 +152,24 @@ def cli(task, file, dataset, n, group_size, seed, maxlen, config_path, run, redi
     group_size = group_size or 4
     from jet.queues.codec import DEFAULT_MAX_BYTES
 
-    max_bytes = cfg.queues.max_entry_bytes if config_path else DEFAULT_MAX_BYTES
+    max_bytes = cfg.queues.max_entry_bytes if cfg else DEFAULT_MAX_BYTES
     try:
         rows, taken, source = _rows(file, dataset, n, seed)
         entries = encode_rows(task, rows, group_size, max_bytes, keep=taken)
     except (ConfigError, KeyError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     import anyio
-    from rich.progress import Progress
 
     stream, sent = Keys(run or DEFAULT_RUN).tasks(task), [0]
-    with Progress(transient=True) as bar:
-        tid = bar.add_task(f"tasks:{task}", total=len(entries))
+    # click's bar, not rich's: the base install (a client node, which runs this) has no rich; on a terminal only
+    shown = (click.progressbar(length=len(entries), label=f"tasks:{task}", file=sys.stderr)
+             if sys.stderr.isatty() else None)
+    with shown or contextlib.nullcontext():
 
         def progress(k: int) -> None:
             sent[0] += k
-            bar.advance(tid, k)
+            if shown is not None:
+                shown.update(k)
 
         try:
             anyio.run(write, url, run or DEFAULT_RUN, task, entries, maxlen, progress)

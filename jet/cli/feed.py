@@ -19,11 +19,15 @@ Progress: it XREADs the `traj:<model>` streams without a group (it must never
 hold back trimming) and keeps the count and rewards of the trajectories it saw.
 
 Synchronous on the outside (the `jet up` loop is), async inside via a portal.
+`jet feed`, started by hand (maybe before its Redis, e.g. `jet server & jet feed`), waits for Redis with
+backoff like every other role, at start and whenever the connection is lost; under `jet up`, which
+started the server itself, a refused connection is an error at once.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import anyio.from_thread
@@ -38,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class Feeder:
-    def __init__(self, cfg: JetConfig, url: str, *, backlog_per_weight: int | None = None):
+    def __init__(self, cfg: JetConfig, url: str, *, backlog_per_weight: int | None = None, wait: bool = False):
         self.cfg, self.url, self.keys = cfg, url, Keys(cfg.run)
         total = sum(t.weight for t in cfg.tasks) or 1.0
         base = backlog_per_weight or max(64, 2 * max(t.concurrency for t in cfg.tasks) * 2)
@@ -56,15 +60,20 @@ class Feeder:
         self._cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._cm.__enter__()
         try:
-            self.r = self.portal.call(self._connect)
+            self.r = self.portal.call(self._connect, wait)
             self.portal.call(self._start_cursors)
         except BaseException:  # e.g. a fatal MOVED or refused password: the portal thread must not outlive us
-            self._cm.__exit__(None, None, None)
+            self._cm.__exit__(*sys.exc_info())  # with the error: a wait still running is cancelled, not awaited
             raise
 
-    async def _connect(self):
-        from jet.queues.connect import connect
+    async def _connect(self, wait: bool):
+        """The client; with `wait` (`jet feed`, started by hand maybe before its Redis) a refused or lost
+        connection is retried with backoff until Redis answers, as every other role does
+        (`retry_forever`); without (`jet up`, which started the server) it is an error at once."""
+        from jet.queues.connect import connect, retry_forever
 
+        if wait:
+            return await retry_forever(lambda: connect(self.url), url=self.url, what="jet feed: connect")
         return await connect(self.url)
 
     async def _start_cursors(self) -> None:
@@ -278,20 +287,36 @@ def cli(config_path, overrides, every, redis_url, run_dir) -> None:
     import signal
     import time
 
-    from jet.errors import JetError, is_fatal
+    from jet.errors import ConnectError, JetError, is_fatal
     from jet.supervisor import EXIT_FATAL
 
     cfg = load_config(config_path, overrides)
+    url = resolve_url(redis_url, run_dir)
+
+    def stopped(*_) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stopped)  # while it waits for Redis: nothing to finish yet
     try:
-        feed = Feeder(cfg, resolve_url(redis_url, run_dir))
+        feed = Feeder(cfg, url, wait=True)
+    except KeyboardInterrupt:
+        raise SystemExit(0) from None
     except JetError as e:  # one line, and EXIT_FATAL when no restart can help (jet.supervisor)
         click.echo(f"jet feed: error: {e}", err=True)
         raise SystemExit(EXIT_FATAL if is_fatal(e) else 1) from None
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    delay = every
     try:
         while not stop:
-            feed.tick()
+            try:
+                feed.tick()
+            except ConnectError as e:  # Redis restarting or a network blip: wait for it, as the other roles do
+                log.warning("jet feed: %s; retrying in %.1fs", e, delay)
+                time.sleep(delay)
+                delay = min(30.0, delay * 2)
+                continue
+            delay = every
             log.info("%s", feed.summary())
             time.sleep(every)
     except KeyboardInterrupt:

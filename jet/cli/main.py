@@ -22,7 +22,8 @@ from jet.cli.options import LazyGroup, setup_logging
         "status": ("jet.cli.status:cli", "Show every stream of a run: length, pending, lag, consumers."),
         "dlq": ("jet.cli.status:dlq", "List, requeue or drop dead letters."),
         "up": ("jet.cli.up:cli", "Run everything on this machine (embedded Redis + roles).", "all"),
-        "eval": ("jet.eval:cli", "Greedy accuracy of a model on a task's held-out problems (95% interval).", "infer"),
+        "eval": ("jet.cli.eval:cli", "Greedy accuracy of a model on a task's held-out problems (95% interval).",
+                 "infer"),
         "init": ("jet.cli.init:cli", "Write a starter project (config, OpenAI-SDK agent, dataset) to a folder."),
         "gateway": ("jet.workers.gateway.app:cli", "OpenAI-compatible API whose calls are recorded in their episodes."),
         "feed": ("jet.cli.feed:cli", "Keep the task streams of a config topped up from their datasets."),
@@ -48,7 +49,7 @@ def main(log_level: str) -> None:
 @click.group(
     cls=LazyGroup,
     lazy={
-        "queue": ("jet.bench.queue:cli", "Raw XADD rate vs the full consumer hop."),
+        "queue": ("jet.bench.queue:cli", "Raw XADD rate vs the full consumer hop.", "all"),  # its tables: rich
         "merge": ("jet.bench.merge:cli", "Tokens and train time: none vs exact vs tree merging.", "train"),
         "async": ("jet.bench.async_:cli", "Trainer throughput: synchronous barrier vs bounded staleness.", "train"),
         "staleness": ("jet.bench.staleness:cli", "Reward at equal steps on k-versions-old batches, per objective.",

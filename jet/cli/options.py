@@ -2,8 +2,11 @@
 
 The Redis URL comes from `--redis-url`, else $JET_REDIS_URL, else the embedded
 server started from the run directory (`.jet/server.json`, see
-jet.queues.server). The run name from `--run`, else $JET_RUN, else `--config`'s
-`run`, else "default". Nothing here imports redis or torch.
+jet.queues.server). The run name from `--run`, else $JET_RUN, else the `run` of
+`--config` (else $JET_CONFIG), else "default": every command that takes `--run`
+takes `--config` too (`resolve_run`), so an operator who exported JET_CONFIG as
+the deployment guide says sees the config's run, not an empty "default".
+Nothing here imports redis or torch.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ redis_url_option = click.option(
     "--redis-url", envvar="JET_REDIS_URL", default=None,
     help="Redis URL (redis://, rediss://, user:password@). Default: $JET_REDIS_URL, else the local `jet server`.")
 run_option = click.option("--run", envvar="JET_RUN", default=None,
-                          help="Run name (the key namespace). Default: $JET_RUN, the config's run, or 'default'.")
+                          help="Run name (the key namespace). Default: $JET_RUN, the run of --config "
+                               "($JET_CONFIG), or 'default'.")
+run_config_option = click.option(
+    "--config", "config_path", envvar="JET_CONFIG", default=None, type=click.Path(exists=True, dir_okay=False),
+    help="A config whose `run` is the default run (default: $JET_CONFIG).")
 run_dir_option = click.option("--run-dir", default=".jet", show_default=True,
                               help="Where the embedded server keeps its data and server.json.")
 
@@ -43,6 +50,13 @@ def config_options(reads: str):
                             show_default="packaged jet/configs/default.yaml", type=click.Path(dir_okay=False),
                             help=f"Experiment config ({reads}).")(f)
     return decorate
+
+
+def resolve_run(run: str | None, config_path: str | None, default: str | None = DEFAULT_RUN) -> str | None:
+    """The run a `--run` command acts on: `run` (--run or $JET_RUN), else the config's `run`, else `default`."""
+    if run:
+        return run
+    return load_config(config_path).run if config_path else default
 
 
 def load_config(path: str, overrides: tuple[str, ...] | list[str] = ()):

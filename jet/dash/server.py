@@ -289,8 +289,8 @@ def _model_paths(config_path: str | None) -> tuple[dict[str, str], str | None, s
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback requires the token.")
 @click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="Port (0: any free one).")
-@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False),
-              help="A run config: its run, runs_dir and model folders (tokenizers) are used.")
+@click.option("--config", "config_path", default=None, envvar="JET_CONFIG", type=click.Path(dir_okay=False),
+              help="A run config: its run, runs_dir and model folders (tokenizers) are used (default: $JET_CONFIG).")
 @click.option("--runs-dir", default=None, help="Folder of the run folders (default: the config's, else runs).")
 @click.option("--studies-dir", default="studies", show_default=True, help="Folder of the `jet study` folders.")
 @click.option("--token", envvar=TOKEN_ENV, default=None,

@@ -28,9 +28,13 @@ Weights without a shared folder: an announcement that carries a `blob` (a small
 version, a LoRA adapter, whose files the trainer also put on `wblob:<model>`,
 `jet.queues.blobs`) is loaded from `path` when this worker can read it there
 (inside the allowed roots), else its chunks are fetched into a folder of this
-worker's own (a temporary folder; the version before the serving one is
-deleted) and loaded from it: then `path` is only a name, and the allowed-roots
-rule does not apply to it. Missing or corrupted chunks are a failed load
+worker's own and loaded from it: then `path` is only a name, and the allowed-roots
+rule does not apply to it. Fetched versions are bounded and never outlive the worker:
+the folder (`jet-weights-<model>-<pid>-*` in the temporary directory) holds the serving
+version and the one being fetched, no more (a version is deleted once another serves, or
+once it is given up on); `close` deletes it when the follower stops, an exit hook when the
+process ends without stopping it, and a worker that starts deletes the folders of workers
+that died without either (SIGKILL), found by the pid in their names. Missing or corrupted chunks are a failed load
 (retried, then dead-lettered with the reason; the old version keeps serving);
 chunks trimmed away while a newer version is announced are skipped like a
 pruned folder.
@@ -40,8 +44,10 @@ What it is not: a trainer-side publisher, or a cache of weights.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -63,6 +69,30 @@ RETRY_S = 0.5  # first wait before loading a failed version again (doubles each 
 CATCH_UP_DEPTH = 64  # announcements looked at, newest first, when a worker starts
 
 
+FETCHED = re.compile(r"jet-weights-.+-(\d+)-[^-]+$")  # a fetched-versions folder; the number: its worker's pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to clean
+        return True
+    return True
+
+
+def sweep_fetched(where: str | os.PathLike | None = None) -> list[Path]:
+    """Delete the fetched-versions folders in `where` (the temporary directory) whose worker is gone."""
+    gone = []
+    for folder in Path(where or tempfile.gettempdir()).glob("jet-weights-*"):
+        m = FETCHED.match(folder.name)
+        if m and folder.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
+
+
 def _s(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
@@ -77,6 +107,7 @@ class WeightFollower:
         self.latest: WeightVersion | None = None  # the announcement serving now (None: the model's own weights)
         self._last_id = "0-0"
         self._cache: Path | None = None  # where versions fetched from Redis go (made on first use)
+        self._serving: str | None = None  # the folder the serving version was loaded from
 
     async def catch_up(self, backend) -> None:
         """Load the newest announcement already in the stream that this worker has not rejected."""
@@ -94,7 +125,25 @@ class WeightFollower:
                 return
 
     async def run(self, backend) -> None:
-        """Follow new announcements forever (cancel to stop); load the newest acceptable one of each read."""
+        """Follow new announcements until cancelled, loading the newest acceptable one of each read; then
+        delete the versions fetched from Redis (`close`)."""
+        try:
+            await self._follow(backend)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Delete the folder of versions fetched from Redis (a later fetch makes a new one)."""
+        if self._cache is not None:
+            shutil.rmtree(self._cache, ignore_errors=True)
+            atexit.unregister(self._remove_cache)
+            self._cache = None
+
+    def _remove_cache(self) -> None:
+        if self._cache is not None:
+            shutil.rmtree(self._cache, ignore_errors=True)
+
+    async def _follow(self, backend) -> None:
         while True:
             try:
                 with translated(self.url):
@@ -151,16 +200,19 @@ class WeightFollower:
         if not w.blob or (self._allowed(Path(w.path)) and os.path.exists(w.path)):
             return w.path
         if self._cache is None:
-            self._cache = Path(tempfile.mkdtemp(prefix=f"jet-weights-{self.model}-"))
+            sweep_fetched()
+            self._cache = Path(tempfile.mkdtemp(prefix=f"jet-weights-{self.model}-{os.getpid()}-"))
+            atexit.register(self._remove_cache)  # a process that ends without `close` (an error) cleans up too
         folder = self._cache / f"v{w.version}"
+        self._forget_cached(keep=self._serving)  # a version given up on earlier: the serving one alone stays
         shutil.rmtree(folder, ignore_errors=True)
         with translated(self.url):
             await blobs.fetch(self.r, self.keys, self.model, w.version, w.blob, w.blob_chunks, folder)
         return str(folder)
 
-    def _forget_cached(self, keep: str) -> None:
+    def _forget_cached(self, keep: str | None) -> None:
         """Delete fetched versions but the one serving (`keep`)."""
-        if self._cache is not None:
+        if self._cache is not None and self._cache.is_dir():
             for old in self._cache.iterdir():
                 if str(old) != keep:
                     shutil.rmtree(old, ignore_errors=True)
@@ -188,7 +240,7 @@ class WeightFollower:
                     return False
                 await anyio.sleep(RETRY_S * 2 ** (attempt - 1))
                 continue
-            self.latest = w
+            self.latest, self._serving = w, source
             self._forget_cached(source)
             log.info("%s: now serving weight version %d (step %d) from %s", w.model, w.version, w.step, source)
             return True

@@ -36,7 +36,7 @@ async def test_a_worker_without_the_run_folder_serves_adapter_versions_from_redi
     write_config(tmp_path / "c.yaml", keys.run, tiny_model, [{"name": "t", "workflow": "a.b:c"}])
     elsewhere = tmp_path / "trainer-machine"  # the trainer's run folder: never inside the worker's roots
     trainer = TorchBackend(str(tiny_model), TrainerConfig(lr=0.05), adapter=AdapterConfig(r=4, alpha=16.0))
-    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean")
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
     rows = pack(inputs.samples, 64)
     local = HFBackend(tiny_model)  # what the adapter model generates, computed here
     r = await connect(redis_url)
