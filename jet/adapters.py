@@ -1,4 +1,11 @@
-"""LoRA adapter versions: the files, and merging one into its base, without peft.
+"""Adapter versions: the files, and merging one into its base, without peft (no torch at import).
+
+The adapter concept lives in three rooms, each module named for it: here, what a version IS (its files,
+their checks, the merge math); `jet.trainer.adapter`, training one (the policy wrapped with peft, what
+a checkpoint keeps and a version publishes); `jet.workers.inference.served_adapters`, serving versions on
+the hf backend (merged into the one model's weights, or added row by row to several models on one
+base; the vllm backend hands them to vLLM's LoRA support). An adapter is a LoRA adapter: the update of
+each adapted layer is (alpha / r) B A.
 
 What it is: the format of an adapter version as the trainer publishes it (`models[].adapter` with
 `publish: adapter`): a folder holding `adapter_model.safetensors` (the LoRA A and B matrices under
@@ -6,13 +13,11 @@ peft's names, `base_model.model.<layer>.lora_A.weight`) and `adapter_config.json
 fields: `r`, `lora_alpha`, `target_modules`, ...), so `peft.PeftModel.from_pretrained(base, folder)`
 loads it too. `read(folder)` checks and loads one (`AdapterError` with the reason otherwise); `pairs`
 gives each adapted layer's A and B; `updates` checks them against a model's weight shapes, before
-anything is computed; `merged_weight` is one weight plus its update (alpha / r) B A, and `merge_into`
-every merged weight. Inference workers apply versions this way, a layer at a time
-(`jet.workers.inference.hf`), and `jet model merge` writes a base with an adapter merged in as a plain
-Hugging Face folder (transformers and vLLM load it).
+anything is computed; `merged_weight` is one weight plus its update, and `merge_into` every merged
+weight. `jet model merge` writes a base with an adapter merged in as a plain Hugging Face folder
+(`merge_folder`: transformers and vLLM load it).
 
-What it is not: a trainer (`jet.trainer.adapter` wraps the policy with peft), and no pickle: safetensors
-and JSON only.
+What it is not: a trainer nor a server (the two other rooms), and no pickle: safetensors and JSON only.
 """
 
 from __future__ import annotations

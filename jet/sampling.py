@@ -30,7 +30,7 @@ A setting either reshapes the logits (temperature: `transformed`) or narrows the
 support, the draw then renormalised over what is kept (top_p: `support`); a new
 one is a `PARAMS` entry and its line in one of those two functions.
 
-What it is not: a sampler (the draw itself is `jet.workers.inference.backend._sample`)
+What it is not: a sampler (the draw itself is `jet.workers.inference.hf_engine.sample_row`)
 and it knows nothing of greedy decoding: temperature 0 is handled by callers
 (the sampler takes the argmax, with every other setting at its neutral value:
 `GREEDY`; `jet.timeline` never trains such tokens). Top-k is not supported

@@ -1,19 +1,20 @@
-"""LoRA adapters in the trainer (`models[].adapter`), through peft.
+"""Training an adapter (`models[].adapter`): the policy wrapped with peft, and what the trainer keeps and publishes.
 
 What it is: `wrap(model, cfg)` puts a LoRA adapter on the policy (peft's `get_peft_model`: every base
 parameter frozen; each adapted layer computes W x + (alpha / r) B A x with B zero at first, so the
 wrapped model computes exactly what the base does until the first step); `trainable(model)`, the
 parameters the optimiser holds; `adapter_tensors` / `load_adapter_tensors`, the adapter's own tensors
-(peft's names) that a checkpoint holds instead of the whole model; and `Merged(model)`, the base with
-each layer's update B A (alpha / r) added, under the base model's own parameter names (what the
-trainer publishes with `publish: merged`, which every inference backend loads as full training's), and
-`AdapterOnly(model)`, the adapter alone as a version (`publish: adapter`, the default: the files of
-`jet.adapters`, which inference workers merge into their copy of the base).
+(peft's names) that a checkpoint holds instead of the whole model (`ADAPTER_CHECKPOINT_FILE`); and
+what a version publishes: `AdapterOnly(model)`, the adapter alone (`publish: adapter`, the default:
+the files of `jet.adapters`, which inference workers serve, `jet.workers.inference.served_adapters`),
+or `Merged(model)`, the base with each layer's update B A (alpha / r) added, under the base model's own
+parameter names (`publish: merged`, which every inference backend loads as full training's).
 
 Merging is computed into copies (`merged_state`): the live base weights are never merged in and
 taken out again, which would leave float rounding in them after every publish.
 
-What it is not: adapters on the deepspeed backend (refused by the config check with the reason).
+What it is not: the version's file format or merge math (`jet.adapters`), nor an optimiser backend (the
+torch and deepspeed backends both wrap the policy with it before they build their optimiser).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from jet.config import AdapterConfig
 
-CHECKPOINT_FILE = "adapter.safetensors"
+ADAPTER_CHECKPOINT_FILE = "adapter.safetensors"  # in a checkpoint, instead of model.safetensors
 
 
 def lora_config(cfg: AdapterConfig):

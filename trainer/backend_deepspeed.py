@@ -41,7 +41,8 @@ from typing import Iterator, Sequence
 import torch
 
 from jet.config import AdapterConfig, TrainerConfig
-from jet.trainer import adapter as lora, optim
+from jet.trainer import optim
+from jet.trainer.adapter import AdapterOnly, Merged, trainable, wrap
 from jet.trainer.backend_torch import frozen_copy, load_policy
 from jet.trainer.batch import StepInputs
 from jet.trainer.dist import Comm
@@ -99,8 +100,8 @@ class DeepSpeedBackend:
         self.adapter = adapter
         if adapter is not None:
             torch.manual_seed(cfg.seed)  # the adapter's initial A: the same on every rank, and as the torch backend's
-            model = lora.wrap(model, adapter)
-        optimizer = optim.make_adamw(lora.trainable(model), cfg)
+            model = wrap(model, adapter)
+        optimizer = optim.make_adamw(trainable(model), cfg)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=ds_config(cfg, self.world))
         self.engine.eval()  # dropout off, as in the torch backend and on the inference side
@@ -129,7 +130,7 @@ class DeepSpeedBackend:
     def full_module(self) -> Iterator[torch.nn.Module]:
         """The module with whole parameters (gathered on every rank under ZeRO-3)."""
         published = self.model if self.adapter is None else \
-            lora.AdapterOnly(self.model) if self.adapter.publish == "adapter" else lora.Merged(self.model)
+            AdapterOnly(self.model) if self.adapter.publish == "adapter" else Merged(self.model)
         if self.cfg.zero_stage == 3:
             import deepspeed
 

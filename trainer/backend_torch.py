@@ -32,7 +32,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from jet.config import AdapterConfig, TrainerConfig
-from jet.trainer import adapter as lora, optim
+from jet.trainer import optim
+from jet.trainer.adapter import (ADAPTER_CHECKPOINT_FILE, AdapterOnly, Merged, adapter_tensors,
+                                 load_adapter_tensors, trainable, wrap)
 from jet.trainer.batch import StepInputs
 from jet.trainer.packing import Row
 from jet.trainer.step import StepStats, accumulate
@@ -73,8 +75,8 @@ class TorchBackend:
         self.ref = frozen_copy(self.model) if cfg.kl_coef > 0 else None
         if adapter is not None:
             torch.manual_seed(cfg.seed)  # the adapter's initial A: from trainer.seed, as on the deepspeed backend
-            self.model = lora.wrap(self.model, adapter)
-        self.params = lora.trainable(self.model)
+            self.model = wrap(self.model, adapter)
+        self.params = trainable(self.model)
         self.optimizer = optim.make_adamw(self.params, cfg)
 
     def train_step(self, rows: Sequence[Row | None], inputs: StepInputs, lr: float, pad_row: Row | None = None,
@@ -96,7 +98,7 @@ class TorchBackend:
         if self.adapter is None:
             yield self.model
         else:
-            yield lora.AdapterOnly(self.model) if self.adapter.publish == "adapter" else lora.Merged(self.model)
+            yield AdapterOnly(self.model) if self.adapter.publish == "adapter" else Merged(self.model)
 
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_model
@@ -104,7 +106,7 @@ class TorchBackend:
         if self.adapter is None:
             save_model(self.model, str(folder / WEIGHTS_FILE))
         else:
-            optim.save_tensors(lora.adapter_tensors(self.model), folder / lora.CHECKPOINT_FILE)
+            optim.save_tensors(adapter_tensors(self.model), folder / ADAPTER_CHECKPOINT_FILE)
         tensors, groups = optim.optimizer_state(self.optimizer)
         optim.save_tensors(tensors, folder / "optimizer.safetensors")
         rng, rng_meta = optim.rng_state()
@@ -123,7 +125,7 @@ class TorchBackend:
         if self.adapter is None:
             load_model(self.model, str(folder / WEIGHTS_FILE), device=str(self.device))
         else:
-            lora.load_adapter_tensors(self.model, optim.load_tensors(folder / lora.CHECKPOINT_FILE))
+            load_adapter_tensors(self.model, optim.load_tensors(folder / ADAPTER_CHECKPOINT_FILE))
         # load_state_dict moves each state tensor to its parameter's device (the step count stays on CPU)
         optim.load_optimizer_state(self.optimizer, optim.load_tensors(folder / "optimizer.safetensors"),
                                    meta["param_groups"])

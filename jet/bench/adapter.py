@@ -292,7 +292,7 @@ def serve_child(model: str, adapter_folder: str, slots: int, requests: int, prom
     assert all(o.finish_reason != "error" for o in outs), [o.error for o in outs if o.error]
     return {"slots": slots, "peak_rss_mib": peak_rss_mib(),
             "load_s": loaded, "decode_s": decode, "generated_tokens": sum(len(o.token_ids) for o in outs),
-            "lora_mib": backend.lora.nbytes() / 2**20 if backend.lora is not None else None}
+            "lora_mib": backend.adapters.nbytes() / 2**20 if slots > 1 else None}  # adapters held beside the base
 
 
 def team(model: str, adapter_folder: Path, n: int, p: dict, repeats: int, threads: int | None, say) -> dict:

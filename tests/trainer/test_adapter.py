@@ -10,7 +10,7 @@ import torch
 
 from jet.config import AdapterConfig, TrainerConfig, load
 from jet.errors import ConfigError
-from jet.trainer import adapter as lora
+from jet.trainer.adapter import ADAPTER_CHECKPOINT_FILE
 from jet.trainer.backend_torch import TorchBackend
 from jet.trainer.batch import build_step
 from jet.trainer.packing import pack, row_logprobs
@@ -168,7 +168,7 @@ def test_a_checkpoint_holds_the_adapter_and_round_trips_it(tiny_model, tmp_path)
     a = TorchBackend(str(tiny_model), cfg, adapter=ADAPTER)
     a.train_step(rows, inputs, lr=cfg.lr)
     a.save(tmp_path)
-    assert (tmp_path / lora.CHECKPOINT_FILE).is_file() and not (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / ADAPTER_CHECKPOINT_FILE).is_file() and not (tmp_path / "model.safetensors").exists()
     expected_rand = torch.rand(3)
     after_a = a.train_step(rows, inputs, lr=cfg.lr)
     b = TorchBackend(str(tiny_model), cfg, adapter=ADAPTER)

@@ -3,9 +3,10 @@
 What it is: `Backend`, what the inference worker (`jet.workers.inference.worker`) needs of an engine
 (`hf`: transformers with our own scheduler, `jet.workers.inference.hf` and `.hf_engine`; `vllm`:
 `jet.workers.inference.vllm`); `SamplingParams` and `GenOutput`, the request and result of one
-completion; `request_error`, the checks every backend applies before decoding; the sampling step of
-the hf engine (`pick_tokens`, one seeded `generator` per request); and `version_in`, the weight version a
-published folder's name carries. Engines import this module and never each other's names.
+completion; `request_error`, the checks every backend applies before decoding; `Slotted` and
+`SlotView`, several adapter models of one base as one backend each; `check_sha256` and `version_in`,
+a weight load's first check and the weight version a published folder's name carries. Engines import
+this module and never each other's names.
 
 Invariants of every backend:
 - Logprobs are what the trainer recomputes: for each sampled token, its logprob under the distribution
@@ -16,7 +17,8 @@ Invariants of every backend:
   "length".
 - A bad request yields finish_reason "error" with a message, never an exception.
 
-What it is not: an engine; no Redis.
+What it is not: an engine (the hf engine's sampling step is `jet.workers.inference.hf_engine.pick_tokens`);
+no Redis.
 """
 
 from __future__ import annotations
@@ -133,57 +135,6 @@ def request_error(prompt: list[int], sp: SamplingParams, context_length: int, vo
     if sp.max_tokens < 1:
         return f"max_tokens must be >= 1, got {sp.max_tokens}"
     return None
-
-
-def pick_tokens(logits, params: list[SamplingParams], gens: list) -> list[tuple[int, float]]:
-    """One (token id, logprob) per row of `logits` (float32, [rows, vocab]): the sampling math of
-    both APIs (see the module docstring for what the logprob is: `jet.sampling`)."""
-    import torch
-
-    settings = sampling.table([sampling.drawn_with(sp) for sp in params], device=logits.device)
-    logp = sampling.transformed(logits, settings)
-    kept = sampling.support(logp, settings)
-    picks = [_sample(logits[r], logp[r], sp, gen, kept[r]) for r, (sp, gen) in enumerate(zip(params, gens))]
-    picked = torch.tensor(picks, device=logits.device)
-    reported = sampling.renormalised(logp, picked, sampling.narrowed(settings), kept).tolist()
-    return list(zip(picks, reported))
-
-
-def _sample(logits, logp, sp: SamplingParams, gen, kept=None) -> int:
-    """One token id from a row of logits; draws exactly one uniform from `gen` unless greedy.
-
-    `logp` is the row's reshaped log-probabilities (`jet.sampling.transformed`) and `kept` its support
-    (`jet.sampling.support`), computed here when not given.
-    """
-    import torch
-
-    if sp.temperature == 0:
-        return int(torch.argmax(logits).item())
-    u = torch.rand((), generator=gen, dtype=torch.float64).item()
-    probs = logp.double().exp()
-    if sampling.narrows(sampling.settings_of(sp)):
-        if kept is None:
-            kept = sampling.support(logp[None], sampling.table([sampling.settings_of(sp)], device=logp.device))[0]
-        probs = torch.where(kept, probs, torch.zeros_like(probs))
-    cdf = torch.cumsum(probs, dim=0)  # token-id order, so batch noise cannot reorder it
-    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
-    idx = int(torch.searchsorted(cdf, target, right=True).item())
-    idx = min(idx, len(cdf) - 1)
-    while probs[idx] == 0:  # u * total landed exactly on a boundary before a dropped id
-        idx -= 1
-    return idx
-
-
-def generator(seed: int | None):
-    """A CPU torch.Generator seeded with `seed` (fresh entropy when None): one per request."""
-    import torch
-
-    gen = torch.Generator(device="cpu")
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
 
 
 def version_in(file: Path, default: int) -> int:

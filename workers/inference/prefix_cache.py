@@ -12,7 +12,8 @@ turns once for its next turn.
 Bounds and eviction: entries are kept while their tensors fit in `max_bytes`; the least recently used
 entry goes first. A sequence that is a prefix of a stored one adds nothing (it is not stored), and a
 stored entry that is a prefix of a new one is replaced by it. `clear()` empties it: the backend calls it on
-every weight load, since keys and values depend on the weights.
+every weight load, since keys and values depend on the weights. A backend serving several models on one
+base holds one per model, each of its model's size (`models[].prefix_cache_mb`).
 
 What it is not: a scheduler, and no paged memory: entries are plain tensors copied out of a batch's
 cache ([1, kv_heads, n, head_dim] per layer), so a batch never pins them.
@@ -51,6 +52,11 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether it keeps anything (`max_bytes` > 0)."""
+        return self.max_bytes > 0
 
     def match(self, prompt: Sequence[int]) -> tuple[tuple[int, ...] | None, int]:
         """(the entry, n): the stored sequence sharing the longest head with `prompt`, and that length,

@@ -59,6 +59,7 @@ from jet.queues.consumer import Settings, consumer_name
 from jet.queues.messages import Commit, Dead, Delivery, Drop, Outcome
 from jet.queues.runtime import Runtime
 from jet.runs import RunDir
+from jet.sampling import settings_of
 from jet.wire import GenRequest, GenResult
 from jet.workers.inference.backend import SamplingParams
 from jet.workers.inference.weights import WeightFollower
@@ -69,9 +70,10 @@ DEADLINE_GRACE_S = 1.0  # clock skew tolerated between client and worker (s)
 
 
 def make_backend(kind: str, path: str, device: str, max_inflight: int = 64, dtype: str = "float32",
-                 prefix_cache_mb: int = 1024, slots: int = 1, lora_rank: int | None = None) -> Any:
+                 prefix_cache_mb: float | list[float] = 1024, slots: int = 1, lora_rank: int | None = None) -> Any:
     """Load the backend (blocking: call from a thread). `slots` > 1: several adapter models on one base;
-    `lora_rank`: the model(s) publish adapter versions of at most this rank (vllm: LoRA on)."""
+    `prefix_cache_mb`: each model's prefix cache (hf), one size or one per slot; `lora_rank`: the model(s)
+    publish adapter versions of at most this rank (vllm: LoRA on)."""
     if kind == "hf":
         from jet.workers.inference.hf import HFBackend
 
@@ -167,8 +169,8 @@ class _Decoding:
 
 
 def sampling(req: GenRequest) -> SamplingParams:
-    return SamplingParams(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
-                          stop_token_ids=req.stop_token_ids, seed=req.seed)
+    return SamplingParams(**settings_of(req), max_tokens=req.max_tokens, stop_token_ids=req.stop_token_ids,
+                          seed=req.seed)
 
 
 def weights_roots(cfg: JetConfig, model: str) -> list[Path]:
@@ -184,10 +186,14 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
     `backend`: use this one instead of loading `models[].backend`; `close_backend=False` leaves it open."""
     m = cfg.model(model)
     keys, settings = Keys(cfg.run), Settings.of(cfg.queues, batch=m.max_inflight)
-    if m.threads and (device or m.device) == "cpu":
+    if (device or m.device) == "cpu":
         import torch
 
-        torch.set_num_threads(m.threads)
+        from jet.supervisor import check_threads
+
+        if m.threads:
+            torch.set_num_threads(m.threads)
+        check_threads(f"jet worker infer --model {model}", torch.get_num_threads())  # warns on an oversubscribed host
     if backend is None:
         backend = await anyio.to_thread.run_sync(make_backend, backend_kind or m.backend, m.path, device or m.device,
                                                  m.max_inflight, m.dtype, m.prefix_cache_mb, 1,
@@ -240,7 +246,7 @@ async def run_shared(cfg: JetConfig, models: list[str], url: str, stop: anyio.Ev
     m = cfg.model(models[0])
     backend = await anyio.to_thread.run_sync(
         make_backend, m.backend, m.path, device or m.device, sum(cfg.model(x).max_inflight for x in models), m.dtype,
-        sum(cfg.model(x).prefix_cache_mb for x in models), len(models), adapter_rank(cfg, models))
+        [cfg.model(x).prefix_cache_mb for x in models], len(models), adapter_rank(cfg, models))  # each its own
     log.info("one %s base for %d models: %s (%s backend)", m.path, len(models), ", ".join(models), m.backend)
     try:
         async with anyio.create_task_group() as tg:

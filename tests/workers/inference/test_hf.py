@@ -9,8 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from jet.errors import WeightsError
 from jet.models import init_model
-from jet.workers.inference.backend import GenOutput, SamplingParams, _sample
+from jet.workers.inference.backend import GenOutput, SamplingParams
 from jet.workers.inference.hf import HFBackend
+from jet.workers.inference.hf_engine import sample_row
 from tests.weights import perturbed_weights
 
 CONTEXT = 64
@@ -206,7 +207,7 @@ def test_sampler_draws_from_the_tempered_and_truncated_distribution():
     def frequencies(sp):
         gen = torch.Generator().manual_seed(0)
         logp = torch.log_softmax(logits / sp.temperature, -1)
-        picks = torch.tensor([_sample(logits, logp, sp, gen) for _ in range(draws)])
+        picks = torch.tensor([sample_row(logits, logp, sp, gen) for _ in range(draws)])
         return torch.bincount(picks, minlength=5).float() / draws
 
     expected = torch.softmax(logits / 0.7, -1)
@@ -215,7 +216,7 @@ def test_sampler_draws_from_the_tempered_and_truncated_distribution():
     nucleus = expected[:2] / expected[:2].sum()
     got = frequencies(SamplingParams(temperature=0.7, top_p=0.8))
     torch.testing.assert_close(got, torch.cat([nucleus, torch.zeros(3)]), atol=0.03, rtol=0)
-    assert _sample(logits, None, SamplingParams(temperature=0), None) == 0
+    assert sample_row(logits, None, SamplingParams(temperature=0), None) == 0
 
 
 @pytest.mark.anyio

@@ -1,8 +1,9 @@
-"""Several models as LoRA adapters of one base in one inference worker (`HFBackend(slots=N)`,
-`jet.workers.inference.lora`, `jet worker infer --model a --model b`): rows of different adapters in one
-batch compute what each adapter merged alone computes (tokens and logprobs), each model keeps its own
-versions and prefix cache, a bad or full-weights version is refused without touching the others; and a
-real worker process serves two models' streams from one base, each with its own versions."""
+"""Several models as adapters of one base in one inference worker (`HFBackend(slots=N)`,
+`jet.workers.inference.served_adapters.RowAdapters`, `jet worker infer --model a --model b`): rows of
+different adapters in one batch compute what each adapter merged alone computes (tokens and logprobs),
+each model keeps its own versions and its own prefix cache of its own size (`models[].prefix_cache_mb`),
+a bad or full-weights version is refused without touching the others; and a real worker process serves
+two models' streams from one base, each with its own versions."""
 
 from __future__ import annotations
 
@@ -130,6 +131,59 @@ def test_a_slot_takes_its_own_versions_and_refuses_what_it_cannot_serve(tiny_mod
         assert x.token_ids == y.token_ids and x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
 
 
+def test_each_slot_keeps_a_prefix_cache_of_its_own_size(tiny_model):
+    """A slot's prefix cache is its model's size, whatever the others': 0 turns reuse off for that model
+    alone, and what is served is the same either way."""
+    shared = HFBackend(tiny_model, slots=2, prefix_cache_mb=[0, 1])
+    assert [c.max_bytes for c in shared.prefix_caches] == [0, 2**20]
+    long, greedy = list(range(3, 40)), SamplingParams(temperature=0, max_tokens=4)
+    [want] = HFBackend(tiny_model, prefix_cache_mb=0).generate([long], [greedy])
+    for _ in range(2):  # the second round finds the first's prompt and completion, where they were kept
+        for got in shared.generate([long, long], [greedy, greedy], [0, 1]):
+            assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    off, on = shared.prefix_caches
+    assert len(off) == 0 and off.stats.reused_tokens == 0 and off.stats.prompt_tokens == 2 * len(long)
+    assert len(on) == 1 and on.stats.reused_tokens > 0
+    with pytest.raises(ValueError, match="2 prefix cache sizes for 3 slots"):
+        HFBackend(tiny_model, slots=3, prefix_cache_mb=[1, 2])
+
+
+@pytest.mark.anyio
+async def test_a_shared_worker_gives_each_model_its_own_prefix_cache_setting(redis_url, tmp_path, tiny_model,
+                                                                              monkeypatch):
+    """`jet worker infer --model left --model right`: each model's cache is its `models[].prefix_cache_mb`
+    (not their sum split evenly: a model would get the average, not its setting)."""
+    import anyio
+
+    from jet.queues.connect import connect
+    from jet.workers.inference import worker
+
+    keys = Keys("shared-cache")
+    data = team_config(tmp_path / "c.yaml", keys.run, tiny_model)
+    data["models"][0]["prefix_cache_mb"], data["models"][1]["prefix_cache_mb"] = 1, 3
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    made, real = [], worker.make_backend
+    monkeypatch.setattr(worker, "make_backend", lambda *args: made.append(real(*args)) or made[-1])  # the real one
+
+    r = await connect(redis_url)
+    stop = anyio.Event()
+
+    async def serving() -> bool:
+        return all([await r.exists(keys.gen(m)) and await r.xinfo_consumers(keys.gen(m), "infer")
+                    for m in ("left", "right")])
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: worker.run_shared(load_file(tmp_path / "c.yaml"), ["left", "right"], redis_url, stop))
+            await wait_for(serving, timeout=60, every=0.05)
+            stop.set()
+    finally:
+        await r.aclose()
+    [backend] = made
+    assert len(backend.versions) == 2, "one base for both"
+    assert [backend.view(i).prefix_cache.max_bytes for i in range(2)] == [1 * 2**20, 3 * 2**20]
+
+
 def team_config(path, run: str, tiny_model, share_base: bool = True) -> dict:
     data = {"run": run, "runs_dir": str(path.parent / "runs"), "queues": {"lease_ms": 3000, "block_ms": 200},
             "models": [{"name": n, "path": str(tiny_model), "adapter": {"r": 4, "share_base": share_base}}
@@ -245,6 +299,6 @@ def test_keeping_the_base_at_start_changes_nothing_served(tiny_model, tmp_path):
         early = HFBackend(tiny_model)
         assert early.keep_base_of(targets) > 0
         early.load_weights(a, sha, 1)
-        assert set(early.base_of_adapted) == set(late.base_of_adapted), targets
+        assert set(early.adapters.base) == set(late.adapters.base), targets
         live, want = early.model.state_dict(), late.model.state_dict()
         assert all(torch.equal(live[k], want[k]) for k in want), targets
