@@ -268,6 +268,12 @@ class TrainerConfig(Section):
     """Publish new weights to the inference workers every N optimiser steps (steps)."""
     checkpoint_every: NonNegativeInt = 50
     """Save a checkpoint to the run folder every N steps; 0 = only at the end (steps)."""
+    resume: Literal["published", "checkpoint"] = "published"
+    """Where a restarted trainer goes on from: 'published', its newest published weights (every publish
+    is a resume point: the weights, the ledger, the counts; the optimiser state of the newest checkpoint),
+    so nothing trained or generated since the checkpoint is lost; 'checkpoint', its newest checkpoint
+    (the steps since are trained again). The deepspeed backend and `adapter.publish: merged` always
+    resume from the checkpoint."""
     clip_eps: PositiveFloat = 0.2
     """PPO ratio clipping range (dimensionless, ratio in [1 - eps, 1 + eps])."""
     kl_coef: NonNegativeFloat = 0.0

@@ -150,6 +150,11 @@ def pytest_configure(config):
     # DeepSpeed's accelerator detection does, when transformers imports it); probe once here, before the
     # guard, so whichever fast-tier test happens to import them first is not charged with a process.
     platform.processor()
+    # matplotlib builds its font cache on its first import on a machine, running `fc-list`: build it here.
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
     guard = ProcessGuard()
     guard.install()
     config.pluginmanager.register(guard, "jet-process-guard")

@@ -4,8 +4,10 @@ Layout (under `runs/<run>/trainer/<model>/`):
 
     checkpoints/step-00000040/     backend files (model, optimiser, RNG) + state.json
     checkpoints/step-00000040-1/   a second checkpoint at step 40 (entries decided without a new step)
+    checkpoints/point-step-00000043/  a resume point: state.json alone (the weights: a published version)
     ledger/step-00000040.json      the entries consumed between the previous checkpoint and this one
     ledger/step-00000040-1.json
+    ledger/step-00000043.json      ... and between that and the point
 
 What it is: `Checkpoints.write(step, state, save)` has every rank's backend
 save into `checkpoints/.tmp-<name>/`, then rank 0 writes `state.json`, fsyncs
@@ -29,7 +31,16 @@ file except pruning of checkpoint folders older than the newest `keep`
 (a rewrite once replaced `ledger/step-N.json` and `state.json`, losing
 entries already acked).
 
-`Checkpoints.resume()` finds the newest whole checkpoint, deletes leftovers
+Resume points (`write(..., point={...})`, `trainer.resume: published`): at a
+publish, the trainer makes the version it just wrote a place to resume from
+without writing the model again: a `point-<name>` folder whose state.json holds
+what a checkpoint's does plus `point`: the published version's folder and
+sha256, and `base`, the newest full checkpoint (its optimiser and RNG state,
+or none yet). Points share the ledger and its names with checkpoints (one
+append-only sequence); only the newest point is kept, and a full checkpoint
+never prunes the base of a newer point (the base is the newest full one).
+
+`Checkpoints.resume()` finds the newest whole checkpoint or point, deletes leftovers
 (temporary and half-pruned folders, ledger files past it) and makes sure its
 own ledger file exists (a crash can fall between the rename and the ledger
 copy). The ledger's files, concatenated, list every entry the surviving
@@ -54,6 +65,7 @@ from jet.trainer.weights import fsync_path
 STATE_FILE = "state.json"
 DIE_AT_ENV = "JET_TRAINER_DIE_AT"  # test-only: "<point>[@n]" SIGKILLs this process the n-th time it gets there
 _NAME = re.compile(r"step-(\d{8})(?:-(\d+))?")
+POINT = "point-"  # the prefix of a resume point's folder (its ledger file has the plain name)
 _reached: dict[str, int] = {}
 
 
@@ -79,8 +91,8 @@ def _name(step: int, k: int = 0) -> str:
 
 
 def _key(name: str) -> tuple[int, int] | None:
-    """(step, rewrite number) of a checkpoint or ledger name; None for anything else."""
-    m = _NAME.fullmatch(name)
+    """(step, rewrite number) of a checkpoint, point or ledger name; None for anything else."""
+    m = _NAME.fullmatch(name.removeprefix(POINT))
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
@@ -100,10 +112,18 @@ class Checkpoints:
         self.keep, self.barrier, self.rank = keep, barrier, rank
 
     def whole(self) -> list[tuple[int, int]]:
-        """(step, rewrite number) of every whole checkpoint, oldest first."""
+        """(step, rewrite number) of every whole checkpoint, oldest first (resume points left out)."""
+        return self._whole("")
+
+    def points(self) -> list[tuple[int, int]]:
+        """(step, rewrite number) of every whole resume point, oldest first."""
+        return self._whole(POINT)
+
+    def _whole(self, prefix: str) -> list[tuple[int, int]]:
         if not self.dir.is_dir():
             return []
-        keys = (_key(d.name) for d in self.dir.iterdir() if (d / STATE_FILE).is_file())
+        keys = (_key(d.name) for d in self.dir.iterdir()
+                if d.name.startswith(prefix or "step-") and (d / STATE_FILE).is_file())
         return sorted(k for k in keys if k is not None)
 
     def steps(self) -> list[int]:
@@ -116,61 +136,79 @@ class Checkpoints:
             k = max((r for s, r in self.whole() if s == step), default=0)
         return self.dir / _name(step, k)
 
+    def newest(self) -> tuple[tuple[int, int], str] | None:
+        """((step, rewrite number), folder prefix) of what a resume loads: the newest checkpoint or point."""
+        found = [(k, "") for k in self.whole()] + [(k, POINT) for k in self.points()]
+        return max(found, default=None)
+
     def resume(self) -> tuple[Path, dict] | None:
-        """The newest whole checkpoint and its state (None if there is none); rank 0 tidies up."""
-        whole = self.whole()
+        """The newest whole checkpoint or resume point and its state (None if there is none); rank 0
+        tidies up. A point's state has `point` (the published version to load, the checkpoint it builds on)."""
+        newest = self.newest()
         if self.rank == 0:
-            self._tidy(whole[-1] if whole else (-1, 0))
+            self._tidy(newest[0] if newest else (-1, 0))
         self.barrier()
-        if not whole:
+        if newest is None:
             return None
-        folder = self.dir / _name(*whole[-1])
+        folder = self.dir / (newest[1] + _name(*newest[0]))
         state = json.loads((folder / STATE_FILE).read_text())
-        if self.rank == 0 and not (self.ledger / f"{folder.name}.json").is_file():
+        ledger = self.ledger / f"{_name(*newest[0])}.json"
+        if self.rank == 0 and not ledger.is_file():
             self.ledger.mkdir(parents=True, exist_ok=True)  # the first checkpoint's crash can precede the folder
-            write_json(self.ledger / f"{folder.name}.json", state["consumed"])
+            write_json(ledger, state["consumed"])
             fsync_path(self.ledger)
         return folder, state
 
-    def write(self, step: int, state: dict, save: Callable[[Path], None]) -> Path:
-        """Every rank calls this: `save(folder)` writes the backend's files; rank 0 finishes the folder."""
+    def write(self, step: int, state: dict, save: Callable[[Path], None] | None, *, point: dict | None = None) -> Path:
+        """Every rank calls this: `save(folder)` writes the backend's files; rank 0 finishes the folder.
+        With `point` (rank 0 alone, one process), a resume point instead: no backend files, state.json
+        also holds `point` and the newest full checkpoint as its `base`."""
+        kind = "point" if point is not None else "checkpoint"
         name = _name(step, self._next_rewrite(step))
-        tmp, final = self.dir / f".tmp-{name}", self.dir / name
-        die_at("checkpoint:begin")
+        tmp, final = self.dir / f".tmp-{name}", self.dir / ((POINT if point is not None else "") + name)
+        if point is not None:
+            base = self.whole()
+            state = {**state, "point": {**point, "base": _name(*base[-1]) if base else None}}
+        die_at(f"{kind}:begin")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.barrier()
-        save(tmp)
+        if save is not None:
+            save(tmp)
         self.barrier()
         if self.rank == 0:
-            die_at("checkpoint:saved")
+            die_at(f"{kind}:saved")
             write_json(tmp / STATE_FILE, {**state, "step": step})
             for f in sorted(tmp.rglob("*")):
                 fsync_path(f)
-            die_at("checkpoint:state")
+            die_at(f"{kind}:state")
             os.replace(tmp, final)
             fsync_path(self.dir)
-            die_at("checkpoint:renamed")
+            die_at(f"{kind}:renamed")
             self.ledger.mkdir(parents=True, exist_ok=True)
             write_json(self.ledger / f"{name}.json", state["consumed"])
             fsync_path(self.ledger)
-            die_at("checkpoint:ledger")
+            die_at(f"{kind}:ledger")
             self._prune()
         self.barrier()
         return final
 
     def _prune(self) -> None:
-        """Delete all but the newest `keep` whole checkpoints: each is renamed to `.old-<name>` first, so a
-        crash mid-delete leaves no folder that still counts as whole (`resume` removes the leftovers)."""
-        old = self.whole()[:-self.keep]
-        for key in old:
-            os.replace(self.dir / _name(*key), self.dir / f".old-{_name(*key)}")
+        """Delete all but the newest `keep` whole checkpoints, and every point older than the newest
+        checkpoint or point (only the newest is ever resumed from): each is renamed to `.old-<name>`
+        first, so a crash mid-delete leaves no folder that still counts as whole (`resume` removes the
+        leftovers). The base of the newest point is the newest checkpoint: never among those deleted."""
+        newest = self.newest()
+        old = [_name(*k) for k in self.whole()[:-self.keep]]
+        old += [POINT + _name(*k) for k in self.points() if newest is not None and k < newest[0]]
+        for name in old:
+            os.replace(self.dir / name, self.dir / f".old-{name}")
         if old:
             fsync_path(self.dir)
             die_at("checkpoint:pruning")
-        for key in old:
-            shutil.rmtree(self.dir / f".old-{_name(*key)}", ignore_errors=True)
+        for name in old:
+            shutil.rmtree(self.dir / f".old-{name}", ignore_errors=True)
 
     def consumed(self) -> list[dict]:
         """Every ledger record of the surviving lineage, oldest first."""
@@ -182,7 +220,7 @@ class Checkpoints:
 
     def _next_rewrite(self, step: int) -> int:
         """The first rewrite number of `step` no checkpoint folder or ledger file has used."""
-        names = [d.name for d in self.dir.iterdir()] if self.dir.is_dir() else []
+        names = [d.name.removeprefix(POINT) for d in self.dir.iterdir()] if self.dir.is_dir() else []
         names += [f.stem for f in self.ledger.glob("step-*.json")] if self.ledger.is_dir() else []
         used = [key[1] for n in names if (key := _key(n)) is not None and key[0] == step]
         return max(used) + 1 if used else 0

@@ -24,6 +24,11 @@ synchronous barrier), but along the policies the current one descends from:
   j + (publications since the resume). Several crashes from one checkpoint
   make one dead range, counted from its start (an over-estimate: safe).
 
+Since a trainer resumes from its newest published version (`trainer.resume:
+published`, docs/design.md "Restarts"), a resume loses no version and adds no
+dead range; dead ranges come from resumes from a checkpoint (the deepspeed
+backend, `trainer.resume: checkpoint`).
+
 It is checkpointed with the trainer's state (`to_json` / `from_json`), so a
 later resume knows the dead ranges of earlier ones. A trajectory from the
 last run's dead range (its inference workers were on a version newer than the

@@ -9,8 +9,8 @@ reconnects run there. The synchronous training loop gets plain methods:
   restart, then reclaimed, then new; blocks at most `block_ms`); malformed
   entries and trajectories of another model are dead-lettered here;
 - `ack(entries)`: acks entries and sets their idempotency markers in one
-  atomic step: called only after the checkpoint recording their fate is on
-  disk; entries known only from a checkpoint's ledger (after a restart) too;
+  atomic step: called only after the checkpoint or resume point recording
+  their fate is on disk; entries known only from its ledger (after a restart) too;
 - `dead(entry_id, reason)`: dead-letters one held entry with its real reason
   (a trajectory the trainer cannot train on), atomically with its ack;
 - `publish(w)`: announces a WeightVersion on `weights:<model>` (dedup'd by
@@ -23,7 +23,7 @@ reconnects run there. The synchronous training loop gets plain methods:
 
 Every entry handed out stays pending (leased, renewed every lease/3) until
 it is acked: the trainer holds entries for minutes (group assembly, then until
-the next checkpoint), hence its long lease. Entries already held are never
+the next resume point or checkpoint), hence its long lease. Entries already held are never
 handed out twice, not even when a reconnect makes the consumer re-read its
 own pending entries. Re-reading them after a restart does not count as a
 delivery (`Settings.count_rereads` off): a trainer that restarts never

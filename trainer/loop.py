@@ -6,33 +6,49 @@ trainable GRPO groups from `traj:<model>` in the tasks' mixing ratio
 (`jet.trainer.intake`, `jet.trainer.mix`), computes
 advantages and loss weights and packs micro-batches by the token budget;
 (2) every rank runs forward/backward on its share and the optimiser steps;
-(3) every `publish_every` steps the weights are written and announced;
-(4) rank 0 logs metrics; (5) every `checkpoint_every` steps, a checkpoint,
-then the acks. With the torch backend there is one rank; with deepspeed,
-rank 0 alone talks to Redis and broadcasts each step (`jet.trainer.dist`).
+(3) every `publish_every` steps the weights are written, made durable (the
+step's checkpoint, or else a resume point), then announced; (4) rank 0 logs
+metrics; (5) every `checkpoint_every` steps, a checkpoint, then the acks.
+With the torch backend there is one rank; with deepspeed, rank 0 alone talks
+to Redis and broadcasts each step (`jet.trainer.dist`).
 
 Exactly once, with acks. A trajectory's entry is acked only after the
 checkpoint holding its effect is on disk:
 - the trainer holds every entry it reads (pending, under a long lease the link
-  renews) until a checkpoint records its fate in `consumed` (trained at step
-  k, or dropped and why); the checkpoint folder is written, fsynced and
+  renews) until a checkpoint or a resume point records its fate in `consumed`
+  (trained at step k, or dropped and why); its folder is written, fsynced and
   renamed, and only THEN are those entries acked with their idempotency
   markers (`jet.trainer.link.Link.ack`);
-- a restarted trainer (same consumer name) loads the newest checkpoint and
-  first acks its `consumed` entries (a crash may fall between the rename and
-  the acks): they are never trained again. Entries read after it are still
-  pending in the trainer's PEL; the consumer re-reads them first and they are
-  trained again, which is right: the steps that used them died with the
-  process (their metrics lines are dropped too);
+- a restarted trainer (same consumer name) loads the newest checkpoint or
+  resume point and first acks its `consumed` entries (a crash may fall
+  between the rename and the acks): they are never trained again. Entries
+  read after it are still pending in the trainer's PEL; the consumer re-reads
+  them first and they are trained again, which is right: the steps that used
+  them died with the process (their metrics lines are dropped too);
 - a redelivered entry whose marker exists is acked by the consumer, never
   handed to the loop.
-So along the lineage of checkpoints (the ledger, `jet.trainer.checkpoint`)
+So along the lineage of checkpoints and resume points (the ledger, `jet.trainer.checkpoint`)
 every entry is decided exactly once, and every acked entry was decided.
+
+Resume points (`trainer.resume: published`, the default; torch backend): a
+restart loses nothing trained since the last checkpoint. At every publish,
+after the weights are written and before they are announced, a resume point
+(`jet.trainer.checkpoint`: state.json alone, naming the version's folder and
+sha256) records the step, the version, the counts and the ledger of the
+entries decided since, and they are acked. A restart from it loads the newest
+checkpoint's optimiser and RNG state, then the published version's weights
+over the model (`jet.trainer.weights.load_version`): the version the inference
+workers serve is the trainer's own again, so the work generated before and
+during the crash is as fresh as it was, and no version is lost to republish.
+The optimiser's moments are those of the checkpoint (at most
+`checkpoint_every` steps older); a bfloat16 publish rounds the float32
+master weights once. Why and what it saves: docs/design.md, "Restarts".
 
 Weight versions stay monotonic across restarts: if `weights:<model>` already
 announces a version newer than the checkpoint's (steps lost in a crash were
 published), the restored weights are published at once as the next version,
-so inference workers leave the lost lineage. Staleness is not counted in
+so inference workers leave the lost lineage; a version written but not
+announced when the process died is announced at once. Staleness is not counted in
 those version numbers but along the lineage (`jet.trainer.lineage`): the
 republished weights are as old as the checkpoint's version, so the backlog
 generated before the crash keeps its age instead of jumping by the lost
@@ -84,7 +100,7 @@ from jet.trainer.metrics import Metrics
 from jet.trainer.optim import lr_at
 from jet.trainer.screen import Limits
 from jet.trainer.step import StepAbandoned
-from jet.trainer.weights import prune_weights, weights_dir, write_version
+from jet.trainer.weights import load_version, prune_weights, weights_dir, write_version
 from jet.wire import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -123,12 +139,15 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
     torch.manual_seed(tc.seed + comm.rank)
     random.seed(tc.seed + comm.rank)
     ckpts = Checkpoints(root, tc.keep_checkpoints, comm.barrier, comm.rank)
+    adapter = cfg.model(model).adapter
+    points = (tc.resume == "published" and (backend or tc.backend) == "torch"  # every publish is a resume point
+              and (adapter is None or adapter.publish == "adapter"))
     state, resumed = TrainState(), ckpts.resume()
     if resumed:
-        engine.load(resumed[0])
+        source = restore(engine, ckpts, *resumed)
         state = TrainState(resumed[1]["step"], resumed[1]["version"], resumed[1].get("counts", {}),
                            Lineage.from_json(resumed[1].get("lineage")))
-        log.info("resumed %s from %s (step %d, version %d)", model, resumed[0], state.step, state.version)
+        log.info("resumed %s from %s (step %d, version %d)", model, source, state.step, state.version)
 
     with contextlib.ExitStack() as stack:
         intake = metrics = None
@@ -145,13 +164,21 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             if resumed:  # a crash may have come between the checkpoint and its acks
                 link.ack([(c["entry"], c["msg"]) for c in resumed[1]["consumed"]])
 
+        def durable(folder: Path, sha: str, full: bool) -> None:
+            """Before a version is announced: a checkpoint (`full`) or a resume point makes it durable."""
+            if full:
+                checkpoint(ckpts, engine, comm, intake, state)
+            elif points:
+                checkpoint(ckpts, engine, comm, intake, state, point={"weights": str(folder.resolve()), "sha256": sha})
+
         # -- versions stay monotonic: republish restored weights past any lost lineage's announcements
+        #    (or announce a resume point's version the crash kept from being announced)
         plan = comm.share_plan(first_plan(intake, state) if comm.leader else None)
         if plan.publish:
             state.version = plan.version
-            publish(engine, comm, intake, cfg.run_dir, model, state, tc)
+            publish(engine, comm, intake, cfg.run_dir, model, state, tc, lambda f, sha: durable(f, sha, False))
 
-        clock, last_checkpoint = Clock(), state.step
+        clock, last_checkpoint = Clock(), max((s for s, _ in ckpts.whole()), default=0)
         while True:
             # 1. rank 0: the next batch of trainable groups, and what this step does
             plan = groups = rows = inputs = None
@@ -194,18 +221,20 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             else:
                 stats = engine.train_step(comm.mine(rows), inputs, plan.lr, pad_row=rows[0])
             trained_at, state.step = state.version, state.step + 1
+            staleness = intake.trained(groups, state.step, state.lineage.ordinal(trained_at)) if comm.leader else []
 
-            # 3. publish the new weights every publish_every steps
+            # 3. publish the new weights every publish_every steps; before they are announced, the
+            #    step's checkpoint, or else a resume point, makes them and what the step decided durable
             if plan.publish:
                 state.version = plan.version
-                publish(engine, comm, intake, cfg.run_dir, model, state, tc)
+                publish(engine, comm, intake, cfg.run_dir, model, state, tc,
+                        lambda f, sha, full=plan.checkpoint: durable(f, sha, full))
             clock.busy += time.monotonic() - t0
             clock.steps += 1
             clock.tokens += stats.row_tokens
 
-            # 4. rank 0: the step's groups are consumed; metrics
+            # 4. rank 0: metrics
             if comm.leader:
-                staleness = intake.trained(groups, state.step, state.lineage.ordinal(trained_at))
                 metrics.log(state.step, step_metrics(stats, inputs, staleness, groups, plan.lr, state,
                                                      clock, intake))
                 clock.micro_batch_s = max(clock.micro_batch_s, stats.micro_batch_s)
@@ -213,9 +242,10 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                                           micro_batch_s=round(clock.micro_batch_s, 3))
                 intake.report()  # what the feeder's admission subtracts
 
-            # 5. checkpoint, then ack what it made durable
+            # 5. checkpoint (if the publish did not), then ack what it made durable
             if plan.checkpoint:
-                checkpoint(ckpts, engine, comm, intake, state)
+                if not plan.publish:
+                    checkpoint(ckpts, engine, comm, intake, state)
                 last_checkpoint = state.step
     log.info("trainer of %s stopped at step %d (version %d)", model, state.step, state.version)
     return state
@@ -244,15 +274,36 @@ def limits_of(model, tc: TrainerConfig) -> Limits:
     return Limits(min(sizes), min(tc.micro_batch_tokens, positions), tc.overlong)
 
 
+def restore(engine, ckpts: Checkpoints, folder: Path, saved: dict) -> str:
+    """Every rank: load what a resume starts from (a checkpoint's backend files, or a resume point's
+    published version over its base checkpoint's optimiser and RNG state); says which."""
+    point = saved.get("point")
+    if point is None:
+        engine.load(folder)
+        return f"checkpoint {folder.name}"
+    if point["base"]:
+        engine.load(ckpts.dir / point["base"])
+    with engine.full_module() as module:
+        load_version(module, Path(point["weights"]), point["sha256"])
+    return f"published version {saved['version']} (optimiser state: {point['base'] or 'fresh'})"
+
+
 def first_plan(intake: Intake, state: TrainState) -> Plan:
+    """Versions never run backwards: publish the restored weights as the next version past any newer
+    announcement (a checkpoint older than what a crashed run published), or as their own version when
+    it was never announced (a crash between a resume point or checkpoint and its announcement)."""
     announced = intake.link.latest_weights()
     newer = announced is not None and announced.version > state.version
+    unannounced = state.version > (announced.version if announced is not None else 0)
     version = announced.version + 1 if newer else state.version
     if newer:
         log.info("weights:%s announces version %d past the checkpoint's %d: republishing as %d",
                  announced.model, announced.version, state.version, version)
         state.lineage.resumed(state.version, announced.version, version)
-    return Plan(publish=newer, step=state.step, version=version)
+    elif unannounced:
+        log.info("version %d of %s was written but not announced before the restart: announcing it",
+                 state.version, intake.link.model)
+    return Plan(publish=newer or unannounced, step=state.step, version=version)
 
 
 def next_batch(intake: Intake, tc: TrainerConfig, state: TrainState, stop: Callable[[], bool]):
@@ -272,12 +323,14 @@ def next_batch(intake: Intake, tc: TrainerConfig, state: TrainState, stop: Calla
 
 
 def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str, state: TrainState,
-            tc: TrainerConfig) -> None:
-    """Every rank: write the weights as version `state.version` (rank 0), announce them, prune old ones
+            tc: TrainerConfig, durable: Callable[[Path, str], None]) -> None:
+    """Every rank: write the weights as version `state.version` (rank 0), make them durable
+    (`durable(folder, sha256)`: a checkpoint or a resume point), announce them, prune old ones
     (`trainer.keep_weights`, never one a live inference worker serves: `jet.trainer.weights`)."""
     folder = weights_dir(Path(run_dir), model, state.version)
     with engine.full_module() as module:
         sha = write_version(module, folder, tc.dtype) if comm.leader else ""
+    durable(folder, sha)
     if comm.leader:
         blob, chunks = "", 0
         adapter = getattr(engine, "adapter", None)
@@ -290,17 +343,22 @@ def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str
     comm.barrier()
 
 
-def checkpoint(ckpts: Checkpoints, engine, comm: Comm, intake: Intake | None, state: TrainState) -> None:
-    """Every rank: write the checkpoint; rank 0 then acks the entries it made durable."""
+def checkpoint(ckpts: Checkpoints, engine, comm: Comm, intake: Intake | None, state: TrainState,
+               point: dict | None = None) -> None:
+    """Every rank: write the checkpoint (with `point`, a resume point of the version just written:
+    one process); rank 0 then acks the entries it made durable."""
     consumed = intake.take_consumed() if comm.leader else []
     state.counts = dict(intake.asm.counts) if comm.leader else {}
+    kind = "checkpoint" if point is None else "point"
     ckpts.write(state.step, {"version": state.version, "counts": state.counts, "consumed": consumed,
-                             "lineage": state.lineage.to_json(), "time": time.time()}, engine.save)
+                             "lineage": state.lineage.to_json(), "time": time.time()},
+                engine.save if point is None else None, point=point)
     if comm.leader:
-        die_at("checkpoint:written")
+        die_at(f"{kind}:written")
         intake.link.ack([(c["entry"], c["msg"]) for c in consumed])
-        die_at("checkpoint:acked")
-        log.info("checkpoint at step %d; acked %d trajectories", state.step, len(consumed))
+        die_at(f"{kind}:acked")
+        (log.info if point is None else log.debug)("%s at step %d; acked %d trajectories", kind, state.step,
+                                                   len(consumed))
 
 
 def step_metrics(stats, inputs, staleness: list[int], groups, lr: float, state: TrainState,

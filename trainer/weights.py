@@ -25,8 +25,13 @@ alone (`write_adapter`: `jet.adapters`' adapter_model.safetensors and
 adapter_config.json, the same durable order, the hash of the safetensors file);
 `write_version` picks by what the backend's `full_module()` gives.
 
-What it is not: a loader (inference workers load, checking the hash), and
-weights never go through Redis.
+Resuming from a version (`load_version`, `trainer.resume: published`): a
+restarted trainer copies the newest published version's tensors back into its
+model (or adapter), after checking the file's sha256 against the one its
+resume point recorded (`jet.trainer.checkpoint`).
+
+What it is not: the inference workers' loader (they load, checking the hash),
+and weights never go through Redis.
 """
 
 from __future__ import annotations
@@ -119,6 +124,38 @@ def write_version(module, folder: Path, dtype: str = "float32") -> str:
     if isinstance(module, AdapterOnly):
         return write_adapter(module, folder, dtype)
     return write_weights(module, folder, dtype)
+
+
+def load_version(module, folder: Path, sha256: str) -> None:
+    """Copy a published version in `folder` into what `full_module()` gave (the model, or the adapter of
+    `AdapterOnly`), in place and in the parameters' own dtype; its file must hash to `sha256`. Every
+    tensor of the module must come from the file (tied ones through the name they share storage with)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from jet.adapters import ADAPTER_FILE
+    from jet.trainer.adapter import AdapterOnly, Merged, load_adapter_tensors
+
+    if isinstance(module, Merged):
+        raise TypeError(f"cannot resume from {folder}: a merged version cannot be taken apart into base and adapter")
+    only_adapter = isinstance(module, AdapterOnly)
+    path = folder / (ADAPTER_FILE if only_adapter else WEIGHTS_FILE)
+    if not path.is_file() or file_sha256(path) != sha256:
+        raise ValueError(f"cannot resume from {folder}: {path.name} is missing or does not hash to {sha256[:12]}")
+    tensors = load_file(str(path))
+    if only_adapter:
+        load_adapter_tensors(module.model, {k: t.float() for k, t in tensors.items()})
+        return
+    live = module.state_dict()
+    unknown = sorted(set(tensors) - set(live))
+    covered = {live[k].data_ptr() for k in tensors if k in live}
+    missing = sorted(k for k, t in live.items() if k not in tensors and t.data_ptr() not in covered)
+    if unknown or missing:
+        raise ValueError(f"cannot resume from {folder}: it does not match the model (unknown {unknown[:3]}, "
+                         f"missing {missing[:3]})")
+    with torch.no_grad():
+        for k, t in tensors.items():
+            live[k].copy_(t.to(live[k].dtype))
 
 
 def published_versions(run_dir: Path, model: str) -> list[int]:

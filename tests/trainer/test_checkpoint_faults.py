@@ -1,17 +1,21 @@
 """The ledger against the acks, with the trainer SIGKILLed at every point of the checkpoint protocol.
 
 A real `jet train` process runs with $JET_TRAINER_DIE_AT naming a point of
-the protocol (`jet.trainer.checkpoint.die_at`: before the temporary folder,
-after the backend saved, after state.json, after the rename, after the
-ledger write, after `Checkpoints.write`, after the acks), and SIGKILLs itself
+the protocol (`jet.trainer.checkpoint.die_at`: after the backend saved,
+after state.json, after the rename, after the ledger write, after the acks;
+POINTS says which others leave the same state), and SIGKILLs itself
 the n-th time it gets there: the first checkpoint (step 2) or the second
-(the stop's, at step 3). Right after the kill, every acked trajectory (its
-idempotency marker is set) must be in the ledger or in the newest whole
-checkpoint's `consumed` (which a resume acks and copies to the ledger).
+(the stop's, at step 3). The same points of a resume point (`point:...`,
+written at every publish that is not a checkpoint's: steps 1 and 3) are
+killed too. Right after the kill, every acked trajectory (its idempotency
+marker is set) must be in the ledger or in the `consumed` of the newest whole
+checkpoint or point (which a resume acks and copies to the ledger).
 Then a trainer restarts on the same run and finishes: the ledger must hold
 every entry exactly once, every trainable trajectory trained exactly once,
-the acked set equal to the ledger's, nothing pending. One case trains a LoRA
-adapter (`models[].adapter`), whose checkpoints hold the adapter alone.
+the acked set equal to the ledger's, nothing pending, and the versions
+announced on `weights:<model>` only ever grew. One case trains a LoRA
+adapter (`models[].adapter`), whose checkpoints hold the adapter alone and
+whose resume points load the published adapter.
 
 A second test is the deterministic repro of a ledger bug: one good group, a
 checkpoint, then four failed trajectories and SIGTERM: the stop's checkpoint
@@ -20,6 +24,7 @@ of the same step must add the four, not replace the group's two.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -32,15 +37,21 @@ import pytest
 
 from jet.config import load_file
 from jet.keys import GROUP_TRAINER
+from jet.queues import codec
 from jet.queues.connect import connect
 from jet.trainer.checkpoint import DIE_AT_ENV, STATE_FILE, Checkpoints
-from tests.trainer.helpers import traj
+from jet.wire import WeightVersion
+from tests.trainer.helpers import MODEL, traj
 from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 from tests.trainer.test_trainer_redis import ROOT, check_exactly_once, trainer_dir, wait_until
 
-POINTS = ["checkpoint:begin", "checkpoint:saved", "checkpoint:state", "checkpoint:renamed", "checkpoint:ledger",
-          "checkpoint:written", "checkpoint:acked"]
-CASES = POINTS + ["checkpoint:renamed@2", "checkpoint:acked@2", "checkpoint:saved+adapter"]  # +adapter: LoRA
+# Where a kill leaves something different on disk or in Redis. Left out, as they leave what a listed one
+# does: checkpoint:begin (as :saved, nothing whole yet) and checkpoint:written (as :ledger: with at most
+# two checkpoints, keep_checkpoints 2 prunes nothing in between); point:begin and :saved (as :state).
+POINTS = ["checkpoint:saved", "checkpoint:state", "checkpoint:renamed", "checkpoint:ledger", "checkpoint:acked"]
+RESUME_POINTS = ["point:state", "point:renamed", "point:ledger", "point:acked"]
+CASES = POINTS + RESUME_POINTS + ["checkpoint:renamed@2", "checkpoint:acked@2", "point:written@2",
+                                  "checkpoint:saved+adapter", "point:acked+adapter"]  # +adapter: LoRA
 
 
 def acked(url, keys, msg_ids: list[str]) -> set[str]:
@@ -50,6 +61,19 @@ def acked(url, keys, msg_ids: list[str]) -> set[str]:
         try:
             flags = await r.mget([keys.done_marker(GROUP_TRAINER, m) for m in msg_ids])
             return {m for m, f in zip(msg_ids, flags) if f is not None}
+        finally:
+            await r.aclose()
+
+    return anyio.run(go)
+
+
+def announced(url, keys) -> list[int]:
+    """The versions announced on weights:<model>, in stream order."""
+    async def go():
+        r = await connect(url)
+        try:
+            return [WeightVersion.from_payload(codec.decode(f)).version
+                    for _, f in await r.xrange(keys.weights(MODEL))]
         finally:
             await r.aclose()
 
@@ -85,17 +109,18 @@ def test_a_kill_at_any_checkpoint_point_loses_no_ack_from_the_ledger(point, tiny
     assert rc == -signal.SIGKILL, f"the trainer did not die at {point} (exit {rc}):\n{log.read_text()[-3000:]}"
     ckpts = Checkpoints(trainer_dir(cfg))
     in_ledger = {c["msg"] for c in ckpts.consumed()}
-    whole = ckpts.whole()
     newest = set()
-    if whole:
-        import json
-
-        newest = {c["msg"] for c in json.loads((ckpts.path(*whole[-1]) / STATE_FILE).read_text())["consumed"]}
+    if ckpts.newest():
+        (key, prefix) = ckpts.newest()
+        folder = ckpts.dir / (prefix + ckpts.path(*key).name)
+        newest = {c["msg"] for c in json.loads((folder / STATE_FILE).read_text())["consumed"]}
     assert acked(redis_url, keys, ids) <= in_ledger | newest, f"{point}: an acked entry is in no ledger"
 
     assert run_trainer(config, redis_url, log, {}, 120) == 0, log.read_text()[-3000:]
     ledger = check_exactly_once(cfg, redis_url, keys, produced, {t.msg_id for t in good})
     assert acked(redis_url, keys, ids) == {c["msg"] for c in ledger} == set(ids)
+    versions = announced(redis_url, keys)
+    assert versions == sorted(set(versions)), f"{point}: versions announced out of order: {versions}"
     if with_adapter:  # the checkpoints hold the adapter, not the model
         newest = ckpts.path(*ckpts.whole()[-1])
         assert (newest / "adapter.safetensors").is_file() and not (newest / "model.safetensors").exists()

@@ -8,6 +8,8 @@ in version numbers, every pending and backlog trajectory (versions 3-5) would
 be 3-5 versions old at version 8 and dropped under max_staleness 4 (the
 trainer would then wait for ever); counted along the lineage, version 8 is the
 checkpoint's policy (version 4), so all of them train and none is stale.
+The run resumes from its checkpoint (`trainer.resume: checkpoint`): from a
+resume point it would lose no version at all (tests/trainer/test_resume_points.py).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def test_a_resume_gives_the_republished_weights_the_checkpoints_age():
 def test_a_restart_keeps_the_backlog_fresh(tiny_model, redis_url, keys, tmp_path):
     rng = random.Random(11)
     config = write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=9,
-                          checkpoint_every=4, batch_groups=2, max_staleness=4)
+                          checkpoint_every=4, batch_groups=2, max_staleness=4, resume="checkpoint")
     cfg = load_file(config)
     log = tmp_path / "trainer.log"
 

@@ -138,7 +138,8 @@ def test_a_sigkilled_trainer_resumes_into_the_same_wandb_and_mlflow_runs(tiny_mo
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
     rng = random.Random(3)
     config = write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=6,
-                          checkpoint_every=3, batch_groups=2, loggers=["jsonl", "wandb", "mlflow"])
+                          checkpoint_every=3, batch_groups=2, loggers=["jsonl", "wandb", "mlflow"],
+                          resume="checkpoint")  # step 4 is lost, so W&B gets it twice
     cfg = load_file(config)
     log = tmp_path / "trainer.log"
     produce_sync(redis_url, keys, [t for g in range(8) for t in synthetic_group(f"a{g}", 2, rng)])

@@ -87,7 +87,7 @@ def check_exactly_once(cfg, url, keys, produced: list, trainable_msgs: set[str])
 def test_sigkill_then_sigterm_lose_no_trajectory_and_train_none_twice(tiny_model, redis_url, keys, tmp_path):
     rng = random.Random(1)
     config = write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=8,
-                          checkpoint_every=3, batch_groups=2)
+                          checkpoint_every=3, batch_groups=2, resume="checkpoint")  # resume points: test_resume_points
     cfg = load_file(config)
     log = tmp_path / "trainer.log"
     ckpts = Checkpoints(trainer_dir(cfg))
@@ -132,7 +132,7 @@ def test_a_crash_between_checkpoint_and_ack_does_not_retrain(tiny_model, redis_u
 
     rng = random.Random(2)
     cfg = load_file(write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=4,
-                                 checkpoint_every=2, batch_groups=2))
+                                 checkpoint_every=2, batch_groups=2, resume="checkpoint"))  # the first ack: step 2's
     trajs = [t for g in range(8) for t in synthetic_group(f"g{g}", 2, rng)]
     produce_sync(redis_url, keys, trajs)
 
