@@ -68,8 +68,9 @@ class Keys:
 
     def rollout(self, model: str) -> str:
         """Hash: what entered and left `model`'s training: `admitted` (trajectories the feeder let in,
-        HINCRBY) and `counts` (the trainer's outcome counts as JSON, rewritten after every step).
-        The feeder's staleness-aware admission reads both (`jet.cli.feed`)."""
+        HINCRBY), `counts` (the trainer's outcome counts as JSON, rewritten after every step), `dead`
+        (admitted work dead-lettered before any outcome, HINCRBY) and `dead_seen` (the dead stream's id
+        the feeder counted up to). The feeder's staleness-aware admission reads them (`jet.cli.feed`)."""
         return f"{self.prefix}rollout:{check_name('model', model)}"
 
     def calls(self, episode_id: str, tag: str) -> str:

@@ -65,6 +65,11 @@ class Dead:
     reason: str
 
 
+# The reason of a dead letter the trainer wrote as one of its own outcomes (poison: counted in its counts,
+# so the feeder's admission does not count it again as lost work).
+TRAINER_REASON = "trainer: "
+
+
 @dataclass(slots=True)
 class Drop:
     """Ack without marker or outputs: the work is moot (its client is gone). Bumps stats `counter`."""

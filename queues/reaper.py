@@ -51,6 +51,8 @@ class Reaper:
                     await c.count_lost(len(deleted), "idle entries whose payload was deleted (XAUTOCLAIM)")
                 if claimed:
                     counts = await self._counts([as_str(i) for i, _ in claimed])
+                    if not c.cfg.count_rereads:
+                        counts = await self._uncount(counts)
                     queued = {e[0]: k for k, e in enumerate(c.claimed)}
                     for entry_id, fields in claimed:
                         entry_id = as_str(entry_id)
@@ -67,6 +69,19 @@ class Reaper:
             self.claimed_total += got
             log.info("%s: reclaimed %d idle entries", c.keys.short(c.stream), got)
         return got
+
+    async def _uncount(self, counts: dict[str, int]) -> dict[str, int]:
+        """Take back the delivery XAUTOCLAIM just counted (XCLAIM RETRYCOUNT, JUSTID): for a consumer whose
+        re-reads do not count (`Settings.count_rereads` off: the trainer, whose name is stable across
+        restarts), what a restarted process reclaims from its dead predecessor is no more a delivery than
+        what it re-reads, so a crash loop never dead-letters the trajectories it held."""
+        c = self.c
+        back = {i: max(1, n - 1) for i, n in counts.items()}
+        async with c.r.pipeline(transaction=False) as p:
+            for i, n in back.items():
+                p.xclaim(c.stream, c.group, c.name, 0, [i], retrycount=n, justid=True)
+            await p.execute()
+        return back
 
     async def _counts(self, ids: list[str]) -> dict[str, int]:
         """Delivery counts of just-claimed ids (XAUTOCLAIM bumped them already)."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Mapping, Sequence
 
+from jet.queues.messages import TRAINER_REASON
 from jet.wire import Trajectory
 
 from jet.trainer.link import Link
@@ -92,7 +93,7 @@ class Intake:
             try:
                 traj, dropped = screen(traj, self.limits)
             except Poison as e:
-                self.link.dead(entry_id, f"trainer: {e}")
+                self.link.dead(entry_id, f"{TRAINER_REASON}{e}")
                 self.asm.reject(traj, self.clock())
                 return
             if dropped:
@@ -104,7 +105,7 @@ class Intake:
         """Dead-letter members `bad` ({index: reason}) of a taken group; False when that leaves the
         group untrainable (its other entries are then decided as `small_group`)."""
         for index, reason in bad.items():
-            self.link.dead(group.members[index].entry_id, f"trainer: {reason}")
+            self.link.dead(group.members[index].entry_id, f"{TRAINER_REASON}{reason}")
         dropped = self.asm.evict(group, list(bad))
         self._record(dropped, step)
         return not dropped

@@ -133,8 +133,12 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
     root = RunDir.of(cfg).trainer(model)
 
     # -- set-up: threads, ranks, seeds, the backend, the checkpoint to resume from
-    if tc.threads and (device or tc.device) == "cpu":
-        torch.set_num_threads(tc.threads)
+    if (device or tc.device) == "cpu":
+        from jet.supervisor import check_threads
+
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        check_threads(f"jet train --model {model}", torch.get_num_threads())  # warns on an oversubscribed host
     comm, engine = make_backend(backend or tc.backend, cfg.model(model).path, tc, device, cfg.model(model).adapter)
     torch.manual_seed(tc.seed + comm.rank)
     random.seed(tc.seed + comm.rank)

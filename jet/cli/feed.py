@@ -13,6 +13,13 @@ never generates a sample only for it to arrive stale (AReaL's admission rule).
 Both counts live in the hash `Keys.rollout(model)`: `admitted`, which the
 feeder raises as it enqueues, and `counts`, the trainer's outcome counts,
 rewritten after every step (and restored from its checkpoint on a resume).
+Work that dead-letters never reaches a trainer outcome (a task an env worker
+crash loop dead-lettered, a trajectory the trainer's consumer did): the feeder
+reads the dead stream from where it last stopped (`dead_seen` in the same hash)
+and counts each such entry of a model in its `dead` field, decided too, so lost
+work never closes the window for good (a dead letter put back with
+`jet dlq requeue` is then decided twice: the window runs one wider until the
+next resume resets it).
 Within the budget, rows go to the task furthest below its weight's share. Tasks
 enqueued by hand (`jet enqueue`) are not admitted: they run as they come.
 Progress: it XREADs the `traj:<model>` streams without a group (it must never
@@ -51,6 +58,7 @@ class Feeder:
         self.file_pos = {t.name: 0 for t in cfg.tasks}
         self.file_rows: dict[str, list[dict]] = {}  # task -> rows of its file or Hub dataset
         self.cursor = {m.name: "0-0" for m in cfg.models}
+        self.dead_cursor = "0-0"  # the dead stream, read for admitted work that will never be decided
         self.trajectories = 0
         self.failed = 0
         self.rewards: list[float] = []
@@ -88,6 +96,12 @@ class Feeder:
             last = await self.r.xrevrange(self.keys.traj(m.name), count=1)
             if last:
                 self.cursor[m.name] = last[0][0].decode()
+        seen = [await self.r.hget(self.keys.rollout(m), "dead_seen") for m in self.admitted_models()]
+        if any(seen):  # a restarted feeder goes on where the last one stopped
+            self.dead_cursor = min((v.decode() for v in seen if v), key=lambda i: tuple(map(int, i.split("-"))))
+        else:  # a new run: dead letters older than its first feeder are no admitted work
+            last = await self.r.xrevrange(self.keys.dead, count=1)
+            self.dead_cursor = last[0][0].decode() if last else "0-0"
 
     def close(self) -> None:
         try:
@@ -185,6 +199,48 @@ class Feeder:
         m = self.cfg.model(model)
         return m.trainable and self.cfg.trainer_of(model).admission == "staleness"
 
+    def admitted_models(self) -> list[str]:
+        return sorted({t.model for t in self.cfg.tasks if self._admitted(t.model)})
+
+    async def _count_dead(self) -> None:
+        """Count the dead letters of admitted work since the last look (`dead` in `Keys.rollout(model)`):
+        a task of an admitted model's task, or a trajectory of an admitted model, is one trajectory that
+        no trainer outcome will ever decide."""
+        from jet.queues import codec
+        from jet.queues.messages import TRAINER_REASON
+
+        models = self.admitted_models()
+        if not models:
+            return
+        task_model = {self.keys.short(self.keys.tasks(t.name)): t.model for t in self.cfg.tasks}
+        traj_model = {self.keys.short(self.keys.traj(m)): m for m in models}
+        reply = await self.r.xread({self.keys.dead: self.dead_cursor}, count=1000)
+        entries = [e for _, es in reply or [] for e in es]
+        if not entries:
+            return
+        lost: dict[str, int] = {}
+        for _, fields in entries:
+            try:
+                meta = codec.decode(fields, max_bytes=1 << 62).meta
+            except Exception:  # garbage written to the dead stream itself names no admitted work
+                continue
+            if str(meta.get("reason", "")).startswith(TRAINER_REASON):  # the trainer counted it: poison
+                continue
+            stream = meta.get("stream")
+            model = task_model.get(stream) or traj_model.get(stream)
+            if model in models:
+                lost[model] = lost.get(model, 0) + 1
+        self.dead_cursor = entries[-1][0].decode()
+        async with self.r.pipeline(transaction=True) as p:  # the counts and the cursor move together
+            for model in models:
+                if lost.get(model):
+                    p.hincrby(self.keys.rollout(model), "dead", lost[model])
+                p.hset(self.keys.rollout(model), "dead_seen", self.dead_cursor)
+            await p.execute()
+        for model, n in sorted(lost.items()):
+            log.warning("feeder: %d admitted trajectories of %s were dead-lettered (`jet dlq list`); counted as "
+                        "decided, so the admission window stays open", n, model)
+
     def window(self, model: str) -> int:
         """Trajectories of `model` that may be admitted and not yet decided: (max_staleness + 1) batches."""
         tc = self.cfg.trainer_of(model)
@@ -192,7 +248,8 @@ class Feeder:
         return (tc.max_staleness + 1) * tc.batch_groups * size
 
     async def flow(self, model: str) -> tuple[int, dict[str, int]]:
-        """(trajectories admitted, the trainer's outcome counts) of `model`, from `Keys.rollout`."""
+        """(trajectories admitted, the trainer's outcome counts and the feeder's `dead`) of `model`, from
+        `Keys.rollout`."""
         import orjson
 
         raw = await self.r.hgetall(self.keys.rollout(model))
@@ -201,12 +258,16 @@ class Feeder:
             counts = orjson.loads(raw.get(b"counts", b"{}"))
         except orjson.JSONDecodeError:
             counts = {}
-        return admitted, counts if isinstance(counts, dict) else {}
+        counts = counts if isinstance(counts, dict) else {}
+        if raw.get(b"dead"):
+            counts = {**counts, "dead": int(raw[b"dead"])}
+        return admitted, counts
 
     async def _budgets(self) -> dict[str, int]:
         """Trajectories each admitted model may still take now (models not admitted are absent)."""
         out = {}
-        for model in {t.model for t in self.cfg.tasks if self._admitted(t.model)}:
+        await self._count_dead()
+        for model in self.admitted_models():
             admitted, counts = await self.flow(model)
             done = decided(counts)
             if admitted < done:  # a trainer resumed on a fresh server: start the window from its count
@@ -249,9 +310,10 @@ class Feeder:
                 f"({self.failed} failed); reward mean (last {len(recent)}) {mean}{trained}")
 
 
-# Trainer outcomes that end an admitted trajectory (`jet.trainer.groups.OUTCOMES` and `poison`): a retried
-# attempt is followed by another, and duplicates and late copies were never admitted on their own.
-FINAL = ("trained", "failed", "stale", "small_group", "malformed", "poison")
+# Outcomes that end an admitted trajectory: the trainer's (`jet.trainer.groups.OUTCOMES` and `poison`; a
+# retried attempt is followed by another, and duplicates and late copies were never admitted on their own)
+# and the feeder's own `dead` (dead-lettered before any trainer outcome).
+FINAL = ("trained", "failed", "stale", "small_group", "malformed", "poison", "dead")
 
 
 def decided(counts: dict[str, int]) -> int:

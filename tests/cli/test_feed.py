@@ -7,6 +7,7 @@ then read what the feeder admitted on the task streams of a real Valkey.
 
 import uuid
 
+import anyio
 import orjson
 import redis
 
@@ -73,6 +74,54 @@ def test_admission_holds_the_stream_to_the_window_until_the_trainer_decides(embe
         assert backlog(embedded.url, cfg) == 24
         assert int(r.hget(Keys(cfg.run).rollout("m"), "admitted")) == 24
         assert "m: trained 6, stale 2, dropped 0" in feed.summary()
+    finally:
+        feed.close()
+
+
+def test_dead_lettered_admitted_work_reopens_the_window(embedded, tmp_path):
+    """Tasks an env worker crash loop dead-letters, and trajectories the trainer's consumer dead-letters
+    past max_deliveries, never reach a trainer outcome: the feeder counts them as decided (also after a
+    restart of its own), so lost work never closes the admission window for good. The trainer's own
+    dead letters (poison) are in its counts already and are not counted twice."""
+    from jet.keys import GROUP_ENV, GROUP_TRAINER
+    from jet.queues.messages import TRAINER_REASON
+    from tests.queues.helpers import close, entry, make_consumer
+
+    cfg = config(tmp_path)
+    keys, r = Keys(cfg.run), redis.Redis.from_url(embedded.url)
+
+    async def dead_letter(stream, group, n, reason=None):
+        c = await make_consumer(embedded.url, keys, stream, "c0", group=group, max_deliveries=1)
+        if stream == keys.traj("m"):
+            for i in range(n):
+                await c.r.xadd(stream, entry(i))
+        got = await c.fetch(n)
+        assert len(got) == n
+        for d in got if reason else []:  # the trainer's own dead letter
+            await c.dead(d.entry_id, d.fields, reason)
+        await close(c)
+        if not reason:  # crashed; the restarted consumer's re-read is past max_deliveries=1: dead
+            c = await make_consumer(embedded.url, keys, stream, "c0", group=group, max_deliveries=1)
+            assert await c.fetch(n) == []
+            await close(c)
+
+    feed = Feeder(cfg, embedded.url)
+    try:
+        feed.tick()
+        assert backlog(embedded.url, cfg) == 16  # the window is full
+        anyio.run(dead_letter, keys.tasks("guess"), GROUP_ENV, 4)
+        anyio.run(dead_letter, keys.traj("m"), GROUP_TRAINER, 2, f"{TRAINER_REASON}poison")  # not counted
+        feed.tick()
+        assert backlog(embedded.url, cfg) == 20  # 4 lost tasks: 4 more admitted
+        assert "dropped 4" in feed.summary()
+    finally:
+        feed.close()
+    anyio.run(dead_letter, keys.traj("m"), GROUP_TRAINER, 4)  # while no feeder runs
+    feed = Feeder(cfg, embedded.url)
+    try:
+        feed.tick()
+        assert backlog(embedded.url, cfg) == 24  # the restarted feeder counted them from where it stopped
+        assert int(r.hget(keys.rollout("m"), "dead")) == 8
     finally:
         feed.close()
 

@@ -285,3 +285,27 @@ async def test_rule3_rereads_after_restarts_need_not_count(redis_url, keys):
         if not counting:
             assert [d.deliveries for d in got] == [1, 1, 1] and (await c.r.xpending(src, "g"))["pending"] == 3
         await close(c)
+
+
+async def test_rule3_reclaims_of_a_dead_predecessor_need_not_count(redis_url, keys):
+    """A trainer in a crash loop: each restart finds the entries it held idle past the lease, and its
+    reaper claims them before it re-reads them. Without counting, ten such restarts dead-letter nothing
+    and the delivery count stays 1; with counting (every other role) the same reclaims dead-letter them."""
+    for counting, want_dead in ((False, 0), (True, 2)):
+        src = keys.tasks(f"reaped{int(counting)}")
+        settings = dict(max_deliveries=5, count_rereads=counting, lease_ms=100)
+        c = await make_consumer(redis_url, keys, src, "trainer", **settings)
+        for i in range(2):
+            await c.r.xadd(src, entry(i))
+        assert len(await c.fetch()) == 2
+        for _ in range(10):  # crash; the lease runs out; the next process reaps, then reads
+            await close(c)
+            await anyio.sleep(0.15)
+            c = await make_consumer(redis_url, keys, src, "trainer", **settings)
+            assert await Reaper(c).reap() == (2 if not counting or _ < 5 else 0)
+            got = await c.fetch()
+        dead = [p for p in await read_all(c.r, keys.dead) if p.meta["stream"] == keys.short(src)]
+        assert len(dead) == want_dead
+        if not counting:
+            assert sorted(d.payload.meta["n"] for d in got) == [0, 1] and [d.deliveries for d in got] == [1, 1]
+        await close(c)
