@@ -70,7 +70,7 @@ class Keys:
         """Hash: what entered and left `model`'s training: `admitted` (trajectories the feeder let in,
         HINCRBY), `counts` (the trainer's outcome counts as JSON, rewritten after every step), `dead`
         (admitted work dead-lettered before any outcome, HINCRBY) and `dead_seen` (the dead stream's id
-        the feeder counted up to). The feeder's staleness-aware admission reads them (`jet.cli.feed`)."""
+        the feeder counted up to). The feeder's staleness-aware admission reads them (`jet.workers.feeder`)."""
         return f"{self.prefix}rollout:{check_name('model', model)}"
 
     def calls(self, episode_id: str, tag: str) -> str:

@@ -12,7 +12,7 @@ What a dataset string is (`kind`):
 Every row, whatever its source, is validated the way a JSONL line is: an object whose values are
 JSON values (no NaN, bytes, dates...), else a ConfigError naming the file (or dataset) and row.
 
-What it is not: the built-in datasets (jet.tasks) or the writer of Task messages (jet.cli.enqueue).
+What it is not: the built-in datasets (jet.tasks) or the writer of Task messages (jet.workers.feeder.tasks).
 """
 
 from __future__ import annotations

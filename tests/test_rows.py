@@ -186,7 +186,7 @@ def test_the_feeder_cycles_a_parquet_dataset_read_once(tmp_path, redis_url, keys
     import anyio
 
     from jet import rows
-    from jet.cli.feed import Feeder
+    from jet.workers.feeder.feeder import Feeder
     from jet.queues import codec
     from jet.queues.connect import connect
     from jet.wire import Task

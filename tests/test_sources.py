@@ -118,7 +118,7 @@ def test_pinning_keeps_every_role_on_one_commit(offline, tiny):
 def test_not_cached_offline_is_one_line_naming_the_key(tmp_path, offline):
     import click
 
-    from jet.cli.options import require_models
+    from jet.options import require_models
 
     path = config(tmp_path, "org/absent")
     with pytest.raises(click.ClickException) as e:

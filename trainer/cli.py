@@ -21,7 +21,7 @@ import threading
 
 import click
 
-from jet.cli.options import config_options, load_config, redis_url_option, require_models, resolve_url
+from jet.options import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.errors import JetError, Stopped, is_fatal
 from jet.supervisor import EXIT_FATAL
 
@@ -133,7 +133,7 @@ def plot(run, out_dir) -> None:
 
 
 if __name__ == "__main__":
-    from jet.cli.options import setup_logging
+    from jet.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     train()

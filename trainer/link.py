@@ -15,7 +15,7 @@ reconnects run there. The synchronous training loop gets plain methods:
   (a trajectory the trainer cannot train on), atomically with its ack;
 - `publish(w)`: announces a WeightVersion on `weights:<model>` (dedup'd by
   its message id, so a retried publish is announced once);
-- `put_blob(version, folder, files, keep)`: a small version's files as chunks
+- `put_blob(version, folder, files, keep, max_bytes)`: a small version's files as chunks
   on `wblob:<model>` (`jet.queues.blobs`), for workers without the run folder;
 - `latest_weights()`, `lag()`: the newest announcement; the group's lag;
 - `served_versions()`: the weight version each live inference worker of the
@@ -140,8 +140,12 @@ class Link:
     def publish(self, w: WeightVersion) -> None:
         self.portal.call(self._publish, w)
 
-    def put_blob(self, version: int, folder: Path, files: Sequence[str], keep: int) -> tuple[str, int]:
-        """Append a version's files to `wblob:<model>`; (first entry id, chunks) for its announcement."""
+    def put_blob(self, version: int, folder: Path, files: Sequence[str], keep: int,
+                 max_bytes: int) -> tuple[str, int]:
+        """Append a version's files to `wblob:<model>` when they fit in `max_bytes`; (first entry id, chunks)
+        for its announcement, or ("", 0) when they are larger (workers then read the run folder)."""
+        if blobs.version_bytes(folder, files) > max_bytes:
+            return "", 0
         return self.portal.call(self._put_blob, version, folder, list(files), keep)
 
     def latest_weights(self) -> WeightVersion | None:

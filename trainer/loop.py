@@ -86,7 +86,6 @@ import torch
 
 from jet import adapters
 from jet.config import AdapterConfig, JetConfig, TrainerConfig, write_resolved
-from jet.queues import blobs
 from jet.runs import RunDir
 from jet.trainer.batch import mean_reward
 from jet.trainer.checkpoint import Checkpoints, die_at
@@ -338,9 +337,9 @@ def publish(engine, comm: Comm, intake: Intake | None, run_dir: Path, model: str
     if comm.leader:
         blob, chunks = "", 0
         adapter = getattr(engine, "adapter", None)
-        if adapter is not None and adapters.is_adapter(folder) and \
-                blobs.version_bytes(folder, adapters.FILES) <= adapter.via_redis_mb * 2**20:
-            blob, chunks = intake.link.put_blob(state.version, folder, adapters.FILES, tc.keep_weights)
+        if adapter is not None and adapters.is_adapter(folder):  # small enough: also through Redis
+            blob, chunks = intake.link.put_blob(state.version, folder, adapters.FILES, tc.keep_weights,
+                                                adapter.via_redis_mb * 2**20)
         intake.link.publish(WeightVersion(model=model, version=state.version, path=str(folder.resolve()),
                                           sha256=sha, step=state.step, blob=blob, blob_chunks=chunks))
         prune_weights(Path(run_dir), model, state.version, tc.keep_weights, intake.link.served_versions())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from jet.cli.options import LazyGroup
+from jet.options import LazyGroup
 
 
 @click.group(

@@ -354,7 +354,7 @@ def render(report: dict):
               help="Keep both runs' folders (metrics, PNG plots, trainer logs) here.")
 def cli(redis_url, as_json, quick, steps, slots, seed, repeats, max_staleness, overrides, out_dir) -> None:
     """Trainer steps/min and busy fraction: synchronous barrier (max_staleness 0) vs the async default."""
-    from jet.cli.options import run_jet
+    from jet.options import run_jet
 
     p = dict(QUICK if quick else DEFAULTS, overrides=list(overrides))
     p.update({k: v for k, v in {"steps": steps, "slots": slots}.items() if v is not None})

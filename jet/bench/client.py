@@ -80,7 +80,7 @@ async def _wait(what: str, check, timeout: float, proc: subprocess.Popen, log: P
 
 async def measure(python: str, task: str, inflight: int, folder: Path, url: str, log: Path, say) -> dict:
     """Idle and in-flight memory of one env worker under `python` (see the module docstring)."""
-    from jet.cli.enqueue import enqueue, tasks_for
+    from jet.workers.feeder.tasks import enqueue, tasks_for
     from jet.keys import Keys
     from jet.queues.connect import connect
     from jet.tasks import dataset

@@ -38,7 +38,7 @@ import anyio
 import click
 
 from jet.bench import emit, progress, redis_url_option, server_url
-from jet.cli.options import run_jet
+from jet.options import run_jet
 from jet.errors import QueueError
 from jet.keys import Keys
 from jet.supervisor import python_module

@@ -39,7 +39,7 @@ from pathlib import Path
 import click
 
 from jet.adapters import is_adapter
-from jet.cli.feed import FINAL
+from jet.workers.feeder.feeder import FINAL
 from jet.runs import RunDir, read_metrics
 from jet.wire import WEIGHTS_FILE
 

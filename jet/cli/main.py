@@ -11,7 +11,7 @@ import os
 
 import click
 
-from jet.cli.options import LazyGroup, setup_logging
+from jet.options import LazyGroup, setup_logging
 
 
 @click.group(
@@ -26,7 +26,7 @@ from jet.cli.options import LazyGroup, setup_logging
                  "infer"),
         "init": ("jet.cli.init:cli", "Write a starter project (config, OpenAI-SDK agent, dataset) to a folder."),
         "gateway": ("jet.workers.gateway.app:cli", "OpenAI-compatible API whose calls are recorded in their episodes."),
-        "feed": ("jet.cli.feed:cli", "Keep the task streams of a config topped up from their datasets."),
+        "feed": ("jet.workers.feeder.feeder:cli", "Keep the task streams of a config topped up from their datasets."),
         "dash": ("jet.dash.server:cli", "Live web dashboard (swarm, training, episodes, studies) and /metrics.",
                  "dash"),
         "bench": ("jet.cli.main:bench", "Benchmarks that print ratios against an in-run baseline."),

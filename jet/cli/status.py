@@ -12,7 +12,7 @@ import time
 import click
 import orjson
 
-from jet.cli.options import (
+from jet.options import (
     redis_url_option,
     resolve_run,
     resolve_url,

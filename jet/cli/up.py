@@ -30,7 +30,7 @@ from pathlib import Path
 
 import click
 
-from jet.cli.options import config_options, load_config
+from jet.options import config_options, load_config
 from jet.config import JetConfig
 from jet.errors import ConfigError, JetError
 from jet.runs import RunDir
@@ -176,7 +176,7 @@ def cli(config_path, overrides, steps, episodes, env_n, redis_url, run_dir, dry_
         server = EmbeddedServer(run_dir).start()
         redis_url = server.url
         click.echo(f"embedded Redis at {redis_url} (data in {server.data_dir})", err=True)
-    from jet.cli.feed import Feeder
+    from jet.workers.feeder.feeder import Feeder
 
     sup = Supervisor(lambda bank: roles, env={**os.environ, "JET_REDIS_URL": redis_url})
     try:

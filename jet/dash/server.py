@@ -39,7 +39,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from jet.cli.options import redis_url_option, run_dir_option, run_option
+from jet.options import redis_url_option, run_dir_option, run_option
 from jet.dash import episodes, exporter, studies
 from jet.dash.access import Access, is_loopback
 from jet.dash.hub import Hub, Settings
@@ -278,7 +278,7 @@ def url_of(host: str, port: int, token: str | None) -> str:
 def _model_paths(config_path: str | None) -> tuple[dict[str, str], str | None, str | None]:
     if not config_path:
         return {}, None, None
-    from jet.cli.options import load_config
+    from jet.options import load_config
 
     cfg = load_config(config_path)
     return {m.name: m.path for m in cfg.models}, cfg.run, cfg.runs_dir
@@ -329,7 +329,7 @@ def cli(run, host, port, config_path, runs_dir, studies_dir, token, alive_s, fd,
 
 
 if __name__ == "__main__":
-    from jet.cli.options import setup_logging
+    from jet.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

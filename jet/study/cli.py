@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 import orjson
 
-from jet.cli.options import LazyGroup
+from jet.options import LazyGroup
 
 
 def _load(target: str, overrides: tuple[str, ...], studies_dir: str):
@@ -162,7 +162,7 @@ def _open_runner(target: str, redis_url: str | None, studies_dir: str):
 @studies_dir_option
 def stop_cmd(target, redis_url, studies_dir) -> None:
     """Pause a study: no run starts, running ones drain (checkpoint); `jet study resume` continues."""
-    from jet.cli.options import run_jet
+    from jet.options import run_jet
     from jet.keys import Keys
     from jet.queues.connect import connect
     from jet.study import ledger
@@ -187,7 +187,7 @@ def stop_cmd(target, redis_url, studies_dir) -> None:
 @studies_dir_option
 def report_cmd(target, redis_url, studies_dir) -> None:
     """Redraw report.md, results.csv and the plots from the study's durable state."""
-    from jet.cli.options import run_jet
+    from jet.options import run_jet
     from jet.study import report
     from jet.study.state import StudyState
 
@@ -214,7 +214,7 @@ def status_cmd(target, watch, redis_url, studies_dir) -> None:
     """Arms, runs running/finished/failed, best so far, budget left."""
     from rich.console import Console
 
-    from jet.cli.options import run_jet
+    from jet.options import run_jet
     from jet.study.state import StudyState
     from jet.study.status import table
 

@@ -127,7 +127,7 @@ class LocalWorkers:
 @click.option("--dir", "study_dir", default=None, help="Folder of this study's runs here (default studies/STUDY).")
 def cli(study, n, slot, redis_url, study_dir) -> None:
     """Execute STUDY's runs (each an ordinary `jet up`), one at a time per process."""
-    from jet.cli.options import resolve_url
+    from jet.options import resolve_url
     from jet.supervisor import Child, Supervisor, python_module, run_role
 
     url = resolve_url(redis_url)
@@ -140,7 +140,7 @@ def cli(study, n, slot, redis_url, study_dir) -> None:
 
 
 if __name__ == "__main__":
-    from jet.cli.options import setup_logging
+    from jet.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

@@ -42,7 +42,7 @@ import anyio
 import click
 import orjson
 
-from jet.cli.options import config_options, load_config, redis_url_option, require_models, resolve_url
+from jet.options import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig, TaskConfig
 from jet.errors import CodecError, ConfigError, ConnectError, WeightsError
 from jet.keys import Keys
@@ -365,7 +365,7 @@ def cli(config_path, overrides, model, slot, threads, nice, redis_url) -> None:
 
 
 if __name__ == "__main__":
-    from jet.cli.options import setup_logging
+    from jet.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

@@ -74,7 +74,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 import click
 
-from jet.cli.options import config_options, load_config, redis_url_option, require_models, resolve_url
+from jet.options import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig
 from jet.errors import GenerationError, GenerationTimeout, JetError, QueueError
 from jet.keys import Keys
@@ -371,7 +371,7 @@ def cli(config_path, overrides, host, port, max_in_flight, max_body_mb, max_body
 
 
 if __name__ == "__main__":
-    from jet.cli.options import setup_logging
+    from jet.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

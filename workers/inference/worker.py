@@ -50,7 +50,7 @@ from typing import Any
 import anyio
 import click
 
-from jet.cli.options import config_options, load_config, redis_url_option, require_models, resolve_url
+from jet.options import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig
 from jet.errors import CodecError
 from jet.keys import GROUP_INFER, Keys
@@ -315,7 +315,7 @@ def cli(config_path, overrides, models, backend, device, processes, slot, redis_
 
 
 if __name__ == "__main__":
-    from jet.cli.options import setup_logging
+    from jet.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

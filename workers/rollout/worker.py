@@ -72,7 +72,7 @@ import anyio
 import click
 
 import jet
-from jet.cli.options import config_options, load_config, redis_url_option, require_models, resolve_url
+from jet.options import config_options, load_config, redis_url_option, require_models, resolve_url
 from jet.config import JetConfig, TaskConfig
 from jet.errors import CodecError, ConfigError
 from jet.keys import Keys
@@ -274,7 +274,7 @@ def cli(config_path, overrides, tasks, processes, slot, drain_timeout, gateway_u
 
 
 if __name__ == "__main__":
-    from jet.cli.options import setup_logging
+    from jet.options import setup_logging
 
     setup_logging(os.environ.get("JET_LOG_LEVEL", "INFO"))
     cli()

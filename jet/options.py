@@ -1,4 +1,6 @@
-"""Options and helpers shared by `jet` subcommands: where Redis is, which run, logging, lazy groups.
+"""Options and helpers every command shares, the roles' own (`jet worker env`, `jet train`, ...) and the
+CLI's (`jet/cli`): where Redis is, which run, the config, logging, lazy groups. Core, not CLI: a role's
+entry point imports it without importing the CLI above it.
 
 The Redis URL comes from `--redis-url`, else $JET_REDIS_URL, else the embedded
 server started from the run directory (`.jet/server.json`, see

@@ -1,4 +1,4 @@
-"""The feeder of `jet up`: keeps every task stream topped up and watches progress.
+"""The feeder (`jet feed`, and inside `jet up`): keeps every task stream topped up and watches progress.
 
 Topping up: each tick, a task whose backlog (unread + pending Tasks of the
 `env` group) is below its target gets more rows, in `group_size` copies, from
@@ -40,7 +40,7 @@ from typing import Any
 import anyio.from_thread
 import click
 
-from jet.cli.options import config_options, load_config, redis_url_option, resolve_url, run_dir_option
+from jet.options import config_options, load_config, redis_url_option, resolve_url, run_dir_option
 from jet.config import JetConfig
 from jet.keys import GROUP_ENV, Keys
 from jet.wire import Task, Trajectory
@@ -183,7 +183,7 @@ class Feeder:
         return dataset(t.dataset, n=n, seed=self.cfg.trainer.seed * 100_003 + k)
 
     async def _enqueue(self, t, rows: list[dict]) -> None:
-        from jet.cli.enqueue import enqueue, tasks_for
+        from jet.workers.feeder.tasks import enqueue, tasks_for
 
         tasks: list[Task] = tasks_for(t.name, rows, t.group_size)
         maxlen = self.cfg.queues.maxlen.get("tasks", 100_000)

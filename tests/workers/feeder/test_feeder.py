@@ -1,4 +1,4 @@
-"""jet.cli.feed: topping up in the tasks' ratio, and staleness-aware admission against a real server.
+"""jet.workers.feeder.feeder: topping up in the tasks' ratio, and staleness-aware admission against a real server.
 
 The trainer's side of admission is the hash `Keys.rollout(model)`'s `counts` field, which the trainer
 rewrites after each step (`jet.trainer.link.Link.report`); these tests write it as the trainer does,
@@ -11,7 +11,7 @@ import anyio
 import orjson
 import redis
 
-from jet.cli.feed import Feeder, allot, decided
+from jet.workers.feeder.feeder import Feeder, allot, decided
 from jet.config import load
 from jet.keys import Keys
 
