@@ -253,3 +253,13 @@ def test_the_circle_check_finds_a_lazy_circle_and_skips_type_checking(tmp_path):
     c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jet.x.a import h\n")
     mods = {"jet.x.a": a, "jet.x.b": b, "jet.x.c": c}
     assert cycles(package_edges(graph(mods))) == [["jet.x.a", "jet.x.b"]]
+
+
+def test_every_package_of_the_tree_is_installed():
+    """pyproject lists the packages a wheel installs by hand: a new folder missing there imports in a checkout
+    (editable) and fails on every installed node (`jet enqueue` on a client node did)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found - listed == set() and listed - found == set()
