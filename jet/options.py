@@ -25,7 +25,9 @@ DEFAULT_RUN = "default"
 
 redis_url_option = click.option(
     "--redis-url", envvar="JET_REDIS_URL", default=None,
-    help="Redis URL (redis://, rediss://, user:password@). Default: $JET_REDIS_URL, else the local `jet server`.")
+    help="Redis URL (redis://, rediss://, user:password@). Default: $JET_REDIS_URL, else the local `jet server`. "
+         "While it is unreachable a long-running role waits with backoff (up to 30 s between tries) and goes on "
+         "once it answers; a one-shot command exits 1 (docs/configuration.md, 'When Redis is unreachable').")
 run_option = click.option("--run", envvar="JET_RUN", default=None,
                           help="Run name (the key namespace). Default: $JET_RUN, the run of --config "
                                "($JET_CONFIG), or 'default'.")
