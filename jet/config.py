@@ -257,8 +257,8 @@ class TrainerConfig(Section):
     """Groups (dataset rows x group_size episodes) per optimiser step."""
     micro_batch_tokens: PositiveInt = 8192
     """Token budget of one forward/backward micro-batch (tokens, padding included)."""
-    max_staleness: NonNegativeInt = 4
-    """Oldest policy version accepted for a trajectory, counted back from the current one (versions)."""
+    max_staleness: NonNegativeInt = 1
+    """Oldest policy version a trajectory may lag the current one by (versions); 1: one step off (docs/studies.md)."""
     admission: Literal["staleness", "off"] = "staleness"
     """How `jet up` / `jet feed` start episodes of this model: 'staleness' admits one only while the
     trajectories admitted and not yet trained or dropped stay within (max_staleness + 1) x batch_groups
@@ -283,8 +283,8 @@ class TrainerConfig(Section):
     importance weight current/behaviour, as `rollout_correction` says (AReaL, arXiv:2505.24298); 'ppo' clips
     against the behaviour policy, which loses reward at equal steps on stale batches (`jet bench
     staleness`). Equal on fresh batches."""
-    rollout_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = (
-        "token_truncate")
+    rollout_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = \
+        "token_truncate"
     """The decoupled objective's weight of each token from rho = current/behaviour (jet.trainer.losses):
     'token_truncate' min(rho, is_cap) (TIS), 'token_mask' rho inside [is_floor, is_cap] else 0 (masked IS),
     'sequence_truncate' min(rho_s, is_cap) and 'sequence_mask' rho where rho_s is inside the band else 0,

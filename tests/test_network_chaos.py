@@ -13,7 +13,7 @@ Nothing may be lost and nothing may land twice: the trainer's ledger is exact ag
 (each entry decided once, each trajectory trained once, every entry ever added decided or still in
 the stream), no group member arrives twice (an episode's effect landing twice would be decided
 `duplicate` or `late`), nothing is dead-lettered, no role exits on its own, and training goes on to
-its last step. The run uses the trainer's default max_staleness of 4 (the demo's is 2).
+its last step. The run uses max_staleness 4 (the demo's is 2; the default 1): a wide admission window.
 
 The test prints the run's figures, the fraction dropped as stale among them, which it does not
 bound: here it is the network's, not the restarts' (the trainer resumes from the version the
