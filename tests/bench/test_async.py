@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from jet.bench.async_ import cli
+from jet.config import TrainerConfig
 
 
 @pytest.mark.slow
@@ -18,7 +19,8 @@ def test_bench_async_quick_reports_both_modes(redis_url, tmp_path):
     report = json.loads(result.output[result.output.index("{"):])
     assert report["seeds"] == [3, 4] and [x["seed"] for x in report["pairs"]] == [3, 4]
     sync, asyn = report["pairs"][0]["runs"]
-    assert (sync["mode"], sync["max_staleness"], asyn["mode"], asyn["max_staleness"]) == ("sync", 0, "async", 4)
+    default = TrainerConfig().max_staleness  # the async run is the user's default
+    assert (sync["mode"], sync["max_staleness"], asyn["mode"], asyn["max_staleness"]) == ("sync", 0, "async", default)
     for run in (sync, asyn):
         assert run["steps"] == 4 and 0 < run["busy_fraction"] <= 1 and run["steps_per_min"] > 0
         assert run["produced"] >= 4 * 2 * 2 and 0 <= run["eval_reward"] <= 1

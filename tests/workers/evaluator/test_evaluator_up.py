@@ -70,7 +70,8 @@ def test_jet_up_evaluates_versions_beside_training_and_survives_a_killed_evaluat
     versions = [e["version"] for e in evals]
     assert versions == sorted(set(versions)), f"a version evaluated twice, or out of order: {versions}"
     assert versions[0] == 0 and versions[-1] == 10 and evals[-1]["step"] == 10, versions  # the final version
-    assert all(v % 3 == 0 or v == 10 for v in versions), versions
+    # every 3 versions at least; a restarted evaluator that finds the due one pruned takes the next it can
+    assert all(b - a >= 3 for a, b in zip(versions, versions[1:]) if b != 10), versions
     assert all(e["eval/guess/n"] == 3 and 0 <= e["eval/guess/reward_mean"] <= 1 for e in evals)
     assert [r["step"] for r in read_metrics(run.metrics("tiny"))] == list(range(1, 11)), "training went on"
     assert "eval-tiny exited with -9; restarting" in run.log("eval-tiny").read_text() + out
