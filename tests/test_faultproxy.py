@@ -43,10 +43,12 @@ def test_cut_resets_open_connections_and_the_next_one_works(proxy, redis_url):
     r = client(proxy, redis_url)
     assert r.ping()
     assert proxy.cut() == 1
-    with pytest.raises(redis.ConnectionError):
-        r.ping()  # the pooled connection was reset under it
+    try:  # the pooled connection was reset under it: redis-py raises, or sees the reset first and reconnects
+        r.ping()
+    except redis.ConnectionError:
+        pass
     assert r.ping()  # a new connection goes through
-    assert proxy.stats["cut"] == 1 and proxy.stats["accepted"] == 2
+    assert proxy.stats["cut"] == 1 and proxy.stats["accepted"] == 2  # the old one is gone: a second was opened
 
 
 def test_a_cut_mid_command_ends_a_blocking_read(proxy, redis_url):
