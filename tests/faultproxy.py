@@ -212,26 +212,22 @@ class FaultProxy:
                         send.send_nowait((anyio.current_time() + self.delay, data))
             conn.scope.cancel()
 
-    async def _cut(self) -> int:
-        conns = list(self.conns)
+    async def _reset_all(self, conns: list, counter: str) -> int:
+        """Reset both sides of each of `conns` (an RST to client and server) and count them in `counter`."""
         for conn in conns:
             _reset(conn.client)
             _reset(conn.upstream)
             conn.scope.cancel()
-        self.stats["cut"] += len(conns)
+        self.stats[counter] += len(conns)
         await anyio.lowlevel.checkpoint()
         return len(conns)
 
+    async def _cut(self) -> int:
+        return await self._reset_all(list(self.conns), "cut")
+
     async def _heal(self) -> int:
         self.holed, self.delay = False, 0.0
-        broken = [c for c in self.conns if c.dropped]
-        for conn in broken:
-            _reset(conn.client)
-            _reset(conn.upstream)
-            conn.scope.cancel()
-        self.stats["reset_after_blackhole"] += len(broken)
-        await anyio.lowlevel.checkpoint()
-        return len(broken)
+        return await self._reset_all([c for c in self.conns if c.dropped], "reset_after_blackhole")
 
     async def _close_all(self) -> None:
         for conn in list(self.conns):
