@@ -161,6 +161,8 @@ def test_the_median_and_its_order_statistic_interval():
     assert stats.median_interval([1.0, 2.0, math.inf])["median"] == 2.0
     assert stats.median_interval([1.0, math.inf, math.inf])["median"] == math.inf
     assert stats.median_interval([])["median"] is None
+    one = stats.median_interval([0.7])  # a single value (a bench whose other seeds had no ratio): no interval
+    assert one["median"] == 0.7 and one["ci95"] == [0.7, 0.7] and one["coverage"] == 0.0
 
 
 def test_the_summary_of_differences_paired_by_seed():

@@ -57,6 +57,24 @@ def order_of(arms: list[str], repeat: int) -> list[str]:
 # ---- the bench
 
 
+RUN_FILE = "run.json"  # a finished run's report, written before anything after it can fail
+
+
+def write_json(path: Path, data) -> None:
+    """Whole or not at all: a crash while writing leaves no half file for `--resume` to trust."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def finished_run(folder: Path) -> dict | None:
+    """The report a finished run left in `folder` (`--resume`), or None: it must run (again)."""
+    try:
+        return json.loads((folder / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def trl_interpreter(given: str | None) -> tuple[str | None, str | None]:
     """(python that has trl, None) or (None, why the TRL arm is skipped)."""
     if given:
@@ -187,7 +205,8 @@ def table(report: dict):
                  f"{report['base']['ci95'][1]:.3f}) on {report['base']['n']} rows")
     lines += [f"paired {k}: {v}" for k, v in summary["paired"].items()]
     lines += [f"run {r['repeat'] + 1}.{r['position'] + 1} {r['arm']}: {r['trajectories_per_min']:.1f} traj/min, "
-              f"held-out {r['eval']['accuracy']:.3f}, load {r['load_mean']:.2f}" for r in report["runs"]]
+              f"held-out {r['eval']['accuracy']:.3f}, load "
+              f"{'-' if r.get('load_mean') is None else format(r['load_mean'], '.2f')}" for r in report["runs"]]
     lines += [f"unmatched {k}: jet {j}; trl {r}" for k, (j, r) in report["unmatched"].items()]
     if report.get("lora"):
         lines.append(f"jet-lora: adapter r {report['lora']['r']}, alpha {report['lora']['alpha']:g} on every linear "
@@ -272,10 +291,13 @@ def time_to_accuracy_lines(report: dict) -> list[str]:
               help="TRL's gradient accumulation steps per optimiser step (default: 1 on a single-turn task, "
                    "one per group on a multi-turn one, where the whole batch in one forward does not fit in 24 GB).")
 @click.option("--out", "out_dir", default=None, help="Keep runs, logs, report.json and reward.png here.")
+@click.option("--resume", is_flag=True,
+              help="Continue an earlier invocation with the same --out and options: keep each run that finished "
+                   "(its run.json), run only the missing ones; evaluations already made are reused either way.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, eval_n, group_size, batch_groups, lr,
         lora_r, lora_alpha, lora_lr, max_tokens, temperature, max_staleness, jet_threads, trl_python, trl_generation,
-        trl_micro_batches, out_dir, as_json) -> None:
+        trl_micro_batches, out_dir, resume, as_json) -> None:
     """Jet against TRL's GRPOTrainer: same model, task, settings and wall-clock budget, repeated on paired seeds."""
     import dataclasses
     import tempfile
@@ -314,12 +336,18 @@ def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, e
         sr = dataclasses.replace(s, seed=seed + repeat)  # every arm of this repeat: the same seed
         rows = write_rows(sr, out / f"rows-seed{sr.seed}.jsonl")
         for position, arm in enumerate(order_of(chosen, repeat)):
-            run = run_arm(arm, sr, model, rows, out / f"r{repeat + 1}-{arm}", budget_s, threads=threads,
-                          max_staleness=max_staleness, trl_python=python, generation=trl_generation, say=say,
-                          lora=lora, marks_s=marks, micro_batches=trl_micro_batches)
+            folder = out / f"r{repeat + 1}-{arm}"
+            run = finished_run(folder) if resume else None
+            if run is None:
+                run = run_arm(arm, sr, model, rows, folder, budget_s, threads=threads, max_staleness=max_staleness,
+                              trl_python=python, generation=trl_generation, say=say, lora=lora, marks_s=marks,
+                              micro_batches=trl_micro_batches)
+                write_json(folder / RUN_FILE, run)
+            else:
+                say(f"{arm} (repeat {repeat + 1}): kept from {folder / RUN_FILE}")
             runs.append({"arm": arm, "repeat": repeat, "position": position, "seed": sr.seed, **run})
     runs.sort(key=lambda r: (r["repeat"], r["position"]))
-    base = trl_curves.evaluate_marks(model, runs, task, eval_n, device, s.max_tokens, say)
+    base = trl_curves.evaluate_marks(model, runs, task, eval_n, device, s.max_tokens, say, cache=out / "evals")
     versions = {"jet": versions_of(sys.executable), **({"trl": versions_of(python)} if python else {})}
     report = {"model": model, "task": task, "shared": s.as_dict(), "mapping": MAPPING, "budget_s": budget_s,
               "repeats": repeats, "seeds": [seed + r for r in range(repeats)], "marks_s": marks, "arms": chosen,

@@ -35,19 +35,43 @@ def mark_times(budget_s: float, every_s: float) -> list[float]:
 
 
 def evaluate_marks(model: str, runs: list[dict], task: str, eval_n: int, device: str, max_tokens: int,
-                   say) -> dict:
+                   say, cache: Path | None = None) -> dict:
     """The base model's held-out result, and each run's `curve` ([{t, accuracy, version, step,
     weights_time_s}], the base at t 0) and `eval` (its result at the last mark: its accuracy at the
-    budget, with each row's result)."""
+    budget, with each row's result). With `cache` (a folder), each evaluation is written there as it
+    ends and reused by a later call: greedy evaluation of the same weights folder (same path, not
+    modified since: a rerun arm's new marks never match) on the same rows gives the same result."""
+    import hashlib
+    import json
+
     from jet.eval import evaluate
 
     done: dict[str, dict] = {}
 
+    def cached(spec: str) -> Path | None:
+        if cache is None:
+            return None
+        path = Path(spec)
+        stamp = path.stat().st_mtime_ns if path.exists() else None
+        key = json.dumps([spec, stamp, task, eval_n, device, max_tokens])
+        return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
     def one(spec: str, name: str) -> dict:
-        if spec not in done:
-            say(f"eval: {name} on {eval_n} held-out rows")
-            r = evaluate(spec, task, eval_n, device=device, max_tokens=max_tokens)
-            done[spec] = {k: r[k] for k in ("n", "correct", "accuracy", "ci95", "results", "seconds")}
+        if spec in done:
+            return done[spec]
+        file = cached(spec)
+        if file is not None and file.is_file():
+            done[spec] = json.loads(file.read_text())
+            say(f"eval: {name}: kept from {file}")
+            return done[spec]
+        say(f"eval: {name} on {eval_n} held-out rows")
+        r = evaluate(spec, task, eval_n, device=device, max_tokens=max_tokens)
+        done[spec] = {k: r[k] for k in ("n", "correct", "accuracy", "ci95", "results", "seconds")}
+        if file is not None:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_name(file.name + ".tmp")
+            tmp.write_text(json.dumps(done[spec]))
+            tmp.replace(file)
         return done[spec]
 
     base = one(model, "base")

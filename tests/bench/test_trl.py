@@ -133,3 +133,11 @@ def test_bench_trl_jet_arms_on_the_multi_turn_task(tmp_path):
     assert (tmp_path / "out" / "accuracy.png").is_file() and set(report["time_to_accuracy"]["bands"]) == {
         "jet", "jet-flat"}
     assert [p["t"] for p in report["time_to_accuracy"]["bands"]["jet"]] == [0, 12, 24, 35]
+    # --resume after the fact (as after a crash in the report): the finished runs and every evaluation kept
+    again = CliRunner().invoke(cli, [*args, "--resume"])
+    assert again.exit_code == 0, again.output[-3000:]
+    resumed = json.loads(again.output[again.output.index("{"):])
+    for before, after in zip(report["runs"], resumed["runs"]):
+        assert after["curve"] == before["curve"] and after["trajectories"] == before["trajectories"]
+        assert after["eval"]["seconds"] == before["eval"]["seconds"], "reused, not evaluated again"
+    assert resumed["base"] == report["base"] and len(list((tmp_path / "out" / "evals").glob("*.json"))) >= 2
