@@ -149,7 +149,7 @@ def median_interval(values: list[float], confidence: float = 0.95) -> dict:
     median = x[n // 2] if n % 2 else (x[n // 2 - 1] + x[n // 2]) / 2
     below = [sum(math.comb(n, i) for i in range(k)) / 2 ** n for k in range(n // 2 + 2)]  # P(B < k)
     k = max((k for k in range(1, n // 2 + 1) if 1 - 2 * below[k] >= confidence), default=1)
-    return {"median": median, "ci95": [x[k - 1], x[n - k]], "coverage": max(0.0, 1 - 2 * below[k]), "n": n}
+    return {"median": median, "ci95": [x[k - 1], x[n - k]], "coverage": 1 - 2 * below[k], "n": n}
 
 
 # ---- paired tests

@@ -27,6 +27,17 @@ def server_url(redis_url: str | None, folder: Path) -> Iterator[str]:
         yield server.url
 
 
+def write_json(path: Path, data: Any) -> None:
+    """Whole or not at all (temp file + rename): a crash while writing leaves no half file for a later
+    `--resume` to trust."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
 _report_out = None  # the real stdout, once `json_stdout` has moved sys.stdout to stderr
 
 

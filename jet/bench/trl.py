@@ -44,7 +44,7 @@ from pathlib import Path
 
 import click
 
-from jet.bench import emit, progress
+from jet.bench import emit, progress, write_json
 from jet.config import TrainerConfig
 from jet.stats import mean_interval, rows_paired
 from jet.bench.trl_arms import ARMS, LORA_LR_FACTOR, MAPPING, Lora, Shared, run_arm, write_rows
@@ -58,13 +58,6 @@ def order_of(arms: list[str], repeat: int) -> list[str]:
 
 
 RUN_FILE = "run.json"  # a finished run's report, written before anything after it can fail
-
-
-def write_json(path: Path, data) -> None:
-    """Whole or not at all: a crash while writing leaves no half file for `--resume` to trust."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 def finished_run(folder: Path) -> dict | None:

@@ -26,6 +26,7 @@ import math
 from pathlib import Path
 
 from jet import stats
+from jet.bench import write_json
 
 
 def mark_times(budget_s: float, every_s: float) -> list[float]:
@@ -68,10 +69,7 @@ def evaluate_marks(model: str, runs: list[dict], task: str, eval_n: int, device:
         r = evaluate(spec, task, eval_n, device=device, max_tokens=max_tokens)
         done[spec] = {k: r[k] for k in ("n", "correct", "accuracy", "ci95", "results", "seconds")}
         if file is not None:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = file.with_name(file.name + ".tmp")
-            tmp.write_text(json.dumps(done[spec]))
-            tmp.replace(file)
+            write_json(file, done[spec])
         return done[spec]
 
     base = one(model, "base")
