@@ -232,10 +232,17 @@ def time_to_accuracy_lines(report: dict) -> list[str]:
                 f"Wilcoxon p {c['final_diff']['wilcoxon_p']:.3g})",
                 f"  area under accuracy-against-time, {arm} - trl: {c['area_diff']['mean']:+.3f} "
                 f"({ci(c['area_diff'])}, Wilcoxon p {c['area_diff']['wilcoxon_p']:.3g})"]
+        gained = c["pairs"] - c.get("no_gain", 0)
+        if c.get("no_gain"):
+            out.append(f"  {c['no_gain']} of {c['pairs']} seed(s) set apart from the times to a target: TRL ended "
+                       "at or below the base, so no target lies above it")
         for target, words in (("final", "TRL's final accuracy"), ("half_gain", "base + half of TRL's gain")):
+            if not gained:
+                out.append(f"  time to {words}: undefined on every seed")
+                continue
             out.append(f"  time to {words}: {arm} takes {share(c[f'time_share_of_budget_{target}'])} of the budget; "
-                       f"{arm}/trl time {share(c[f'time_ratio_{target}'])} (median over seeds; "
-                       f"{c[f'not_reached_{target}']} seed(s) not reached)")
+                       f"{arm}/trl time {share(c[f'time_ratio_{target}'])} (median over {gained} seed(s); "
+                       f"{c[f'not_reached_{target}']} not reached)")
     return out
 
 

@@ -8,7 +8,8 @@ accuracy at time 0 (the base) and at each mark. From the curves, per seed (repea
 seed r: the comparison is paired):
 - `time_to(curve, target)`: the first mark at which the accuracy reached `target` (None: not within the
   budget), for two targets taken from TRL's run of that seed: its final accuracy, and the base plus half
-  of its gain;
+  of its gain. A seed whose TRL run ended at or below the base has no target above the base (both sides
+  "reach" it at t 0): it is set apart (`no_gain`), counted, and left out of the time statistics;
 - `area(curve, budget)`: the accuracy averaged over the run's wall time, the curve held from each mark
   to the next (what a user had at each moment);
 - the accuracy at TRL's budget (the last mark).
@@ -111,16 +112,21 @@ def compare(runs: list[dict], base: dict, arm: str, budget_s: float, against: st
     pairs = paired_seeds(runs, arm, against)
     per_seed = []
     for a, b in pairs:
-        gain_target = base["accuracy"] + (final(b["curve"]) - base["accuracy"]) / 2
+        gain = final(b["curve"]) - base["accuracy"]
         row = {"repeat": a["repeat"], "seed": a.get("seed"), f"{arm}_final": final(a["curve"]),
                f"{against}_final": final(b["curve"]), f"{arm}_area": area(a["curve"], budget_s),
-               f"{against}_area": area(b["curve"], budget_s)}
-        for name, target in (("final", final(b["curve"])), ("half_gain", gain_target)):
-            mine, theirs = time_to(a["curve"], target), time_to(b["curve"], target)
+               f"{against}_area": area(b["curve"], budget_s), "no_gain": gain <= 0}
+        for name, target in (("final", final(b["curve"])), ("half_gain", base["accuracy"] + gain / 2)):
             row[f"target_{name}"] = target
+            if row["no_gain"]:  # a target at or below the base: no time to it means anything
+                row[f"{arm}_time_to_{name}"] = row[f"{against}_time_to_{name}"] = None
+                row[f"time_ratio_{name}"] = row[f"time_share_of_budget_{name}"] = None
+                continue
+            mine, theirs = time_to(a["curve"], target), time_to(b["curve"], target)
             row[f"{arm}_time_to_{name}"], row[f"{against}_time_to_{name}"] = mine, theirs
-            # censored: not reached within the budget counts as later than it (inf), for the median
-            row[f"time_ratio_{name}"] = (math.inf if mine is None else mine) / theirs if theirs else None
+            # censored: not reached within the budget counts as later than it (inf), for the median;
+            # theirs > 0: the target lies above the base, the curve's value at t 0
+            row[f"time_ratio_{name}"] = (math.inf if mine is None else mine) / theirs
             row[f"time_share_of_budget_{name}"] = math.inf if mine is None else mine / budget_s
         per_seed.append(row)
     out: dict = {"pairs": len(pairs), "per_seed": per_seed}
@@ -130,12 +136,13 @@ def compare(runs: list[dict], base: dict, arm: str, budget_s: float, against: st
     out["final_diff"] = stats.paired_summary(diffs)
     areas = [r[f"{arm}_area"] - r[f"{against}_area"] for r in per_seed]
     out["area_diff"] = stats.paired_summary(areas)
+    gained = [r for r in per_seed if not r["no_gain"]]
+    out["no_gain"] = len(per_seed) - len(gained)
     for name in ("final", "half_gain"):
-        ratios = [r[f"time_ratio_{name}"] for r in per_seed if r[f"time_ratio_{name}"] is not None]
-        shares = [r[f"time_share_of_budget_{name}"] for r in per_seed]
-        out[f"time_ratio_{name}"] = stats.median_interval(ratios)
-        out[f"time_share_of_budget_{name}"] = stats.median_interval(shares)
-        out[f"not_reached_{name}"] = sum(1 for r in per_seed if r[f"{arm}_time_to_{name}"] is None)
+        out[f"time_ratio_{name}"] = stats.median_interval([r[f"time_ratio_{name}"] for r in gained])
+        out[f"time_share_of_budget_{name}"] = stats.median_interval([r[f"time_share_of_budget_{name}"]
+                                                                     for r in gained])
+        out[f"not_reached_{name}"] = sum(1 for r in gained if r[f"{arm}_time_to_{name}"] is None)
     return out
 
 
