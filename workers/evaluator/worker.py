@@ -18,8 +18,10 @@ Off the training path, by design:
   wait for it;
 - a version it wants is secured at once (hard links to the published files, or the chunks fetched
   from Redis), so the trainer's retention (`trainer.keep_weights`) never waits for it either;
-- it lowers its own CPU priority (`--nice`, default 10) and `jet up` gives it one thread, so on a
-  shared machine training keeps the cores;
+- it runs under the kernel's idle scheduling class (`--idle`, the default on Linux: a core only when
+  nothing else wants it), else at a lower CPU priority (`--nice`, default 10), and `jet up` gives it one
+  thread, so on a shared machine training keeps the cores (on a machine that training saturates, its
+  evaluations wait for idle moments, and for the end of training at the latest);
 - when it falls behind, it skips to the newest version due and says so (which versions, and how long
   an evaluation takes against how often versions come); a restarted evaluator skips the versions
   its file already holds;
@@ -58,7 +60,22 @@ from jet.workers.rollout.runtimes import in_process
 
 log = logging.getLogger(__name__)
 
-NICE = 10  # the evaluator's default CPU priority offset: training keeps the cores it needs
+NICE = 10  # the evaluator's CPU priority offset where the idle class is off or missing
+
+
+def lower_priority(nice: int, idle: bool) -> str:
+    """Lower every thread of this process (Linux sets both per thread, so threads already started count
+    too): the SCHED_IDLE class where `idle` and the platform has it, else `nice` more niceness. Returns what
+    was done, in words."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    if idle and hasattr(os, "SCHED_IDLE"):
+        for tid in tids:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return "idle scheduling class"
+    if nice:
+        for tid in tids:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    return f"nice +{nice}" + (" (no idle scheduling class here)" if idle else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,10 +356,13 @@ async def run(cfg: JetConfig, model: str, url: str, stop: anyio.Event, *, slot: 
               help="Slot number (a stable name: host-eval-<model>-<slot>).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Torch threads on the CPU (default: torch's own; jet up gives the evaluator 1).")
+@click.option("--idle/--no-idle", default=True, show_default=True,
+              help="Run in the kernel's idle scheduling class (Linux SCHED_IDLE): a core only when nothing "
+                   "else wants it. Elsewhere, or with --no-idle, --nice applies.")
 @click.option("--nice", type=click.IntRange(0, 19), default=NICE, show_default=True,
-              help="Lower this process's CPU priority by this much, so training keeps the cores.")
+              help="With --no-idle: lower this process's CPU priority by this much, so training keeps the cores.")
 @redis_url_option
-def cli(config_path, overrides, model, slot, threads, nice, redis_url) -> None:
+def cli(config_path, overrides, model, slot, threads, idle, nice, redis_url) -> None:
     """Evaluate a model's published versions on its tasks' held-out rows (tasks[].eval), off the training path."""
     from jet.supervisor import run_role
 
@@ -355,8 +375,7 @@ def cli(config_path, overrides, model, slot, threads, nice, redis_url) -> None:
         raise click.ClickException(str(e)) from None
     cfg = require_models(cfg, config_path, [model])
     url = resolve_url(redis_url)
-    if nice:
-        os.nice(nice)
+    log.info("evaluator priority: %s", lower_priority(nice, idle))
     if threads:
         import torch
 

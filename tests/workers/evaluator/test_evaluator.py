@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import uuid
 
 import anyio
@@ -104,6 +107,36 @@ def test_jet_worker_eval_names_what_is_missing(tmp_path, tiny_model):
     bad.write_text(plain.read_text().replace("dataset: guess}", "dataset: guess, eval: {n: 0}}"))
     res = CliRunner().invoke(worker, ["eval", "--config", str(bad), "--model", "tiny"])
     assert res.exit_code == 1 and "tasks[0].eval.n" in res.output
+
+
+LOWERED = """
+import os, sys, threading
+from jet.workers.evaluator.worker import lower_priority
+started = threading.Event(); stop = threading.Event()
+t = threading.Thread(target=lambda: (started.set(), stop.wait())); t.start(); started.wait()
+tids = [int(x) for x in os.listdir("/proc/self/task")]
+before = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}
+said = lower_priority(7, sys.argv[1] == "idle")
+after = [(os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid) - before[tid]) for tid in tids]
+stop.set(); t.join()
+print(said); print(len(tids), *sorted(set(after)))
+"""
+
+
+@pytest.mark.slow  # a process of its own: lowering threads is for good
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux: SCHED_IDLE and per-thread priorities")
+@pytest.mark.parametrize("mode", ["idle", "nice"])
+def test_the_evaluator_lowers_every_thread_already_started(mode):
+    """Linux sets the scheduling class and the niceness per thread: a thread started before (torch's,
+    anyio's) must be lowered too, or its work competes with training at full priority."""
+    out = subprocess.run([sys.executable, "-c", LOWERED, mode], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.splitlines()
+    n, *seen = out[1].split(" ", 1)
+    assert int(n) >= 2
+    if mode == "idle":
+        assert out[0] == "idle scheduling class" and seen == [f"({os.SCHED_IDLE}, 0)"]
+    else:
+        assert out[0] == "nice +7" and seen == [f"({os.SCHED_OTHER}, 7)"]
 
 
 def test_held_out_rows_come_from_a_built_in_split_or_a_file(tmp_path):
