@@ -246,13 +246,16 @@ class SwarmCounters:
     """On a thread, every `every` s: what a Jet run's swarm reports in Redis (never its logs): the inference
     workers' prompt counters from their heartbeats (`prompt_tokens` admitted, `prefill_tokens` computed, the
     rest taken from the prefix cache: `jet.workers.inference.worker.prefill_counts`) and the trajectories
-    produced (`entries-added` of `traj:<model>`). The last reading before the run stops is kept."""
+    produced (`entries-added` of `traj:<model>`). Every counter is cumulative, so each worker's last
+    heartbeat is kept after its hash is gone: a worker that stopped, or whose hash expired while the run
+    drained (a heartbeat's TTL is a few beats), still counts with what it last reported."""
 
     def __init__(self, server_dir: Path, run: str, model: str, every: float = 2.0):
         from jet.keys import Keys
 
         self.server_dir, self.keys, self.model = server_dir, Keys(run), model
         self.last: dict = {}
+        self.seen: dict[str, tuple[int, int]] = {}  # inference worker -> (prompt, prefill) at its last heartbeat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
         self._thread.start()
@@ -273,14 +276,13 @@ class SwarmCounters:
             client.close()
 
     def read(self, client) -> dict:
-        prompt = computed = 0
         for name in client.zrange(self.keys.workers, 0, -1):
             w = {k.decode(): v.decode() for k, v in client.hgetall(self.keys.worker(name.decode())).items()}
             if w.get("role") == "infer" and w.get("model") == self.model:
-                prompt += int(w.get("prompt_tokens", 0))
-                computed += int(w.get("prefill_tokens", 0))
+                self.seen[name.decode()] = (int(w.get("prompt_tokens", 0)), int(w.get("prefill_tokens", 0)))
         stream = self.keys.traj(self.model)
         added = int(client.xinfo_stream(stream).get("entries-added", 0)) if client.exists(stream) else 0
+        prompt, computed = (sum(c) for c in zip(*self.seen.values())) if self.seen else (0, 0)
         return {"prompt_tokens": prompt, "prefill_tokens": computed, "trajectories": added} if added else {}
 
     def stop(self) -> dict:

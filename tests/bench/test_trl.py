@@ -92,6 +92,32 @@ def test_tree_rss_counts_children(tmp_path):
     assert tree_rss(child.pid) == 0
 
 
+def test_swarm_counters_keep_a_workers_last_heartbeat_once_its_hash_is_gone(embedded, tmp_path):
+    """The prefill counters are cumulative: a worker whose hash expired while the run drained still counts
+    with its last heartbeat, instead of turning the run's reading to 0 (the jet arms' prefill < prompt)."""
+    import redis
+
+    from jet.bench.trl_arms import SwarmCounters
+
+    counters = SwarmCounters(tmp_path / "no-server", "swarmcount", MODEL, every=60)
+    client = redis.Redis.from_url(embedded.url)
+    try:
+        k = counters.keys
+        for name, prompt, prefill in (("infer-a", 300, 40), ("infer-b", 100, 20)):
+            client.zadd(k.workers, {name: 1.0})
+            client.hset(k.worker(name), mapping={"role": "infer", "model": MODEL, "prompt_tokens": prompt,
+                                                 "prefill_tokens": prefill})
+        client.xadd(k.traj(MODEL), {"t": "1"})
+        assert counters.read(client) == {"prompt_tokens": 400, "prefill_tokens": 60, "trajectories": 1}
+        client.hset(k.worker("infer-a"), mapping={"prompt_tokens": 500, "prefill_tokens": 50})
+        client.delete(k.worker("infer-b"))  # expired: its name still in the registry, its hash gone
+        client.xadd(k.traj(MODEL), {"t": "2"})
+        assert counters.read(client) == {"prompt_tokens": 600, "prefill_tokens": 70, "trajectories": 2}
+    finally:
+        counters.stop()
+        client.close()
+
+
 @pytest.mark.slow
 def test_bench_trl_jet_arms_on_the_multi_turn_task(tmp_path):
     """Both Jet arms on tally with the random tiny model: every step trains whole groups, the default arm
