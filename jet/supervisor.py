@@ -15,7 +15,11 @@ Parent side: `Supervisor(children_of)` runs a generation of `Child` processes
 - an `optional` child (the evaluator) that crash-loops or exits with EXIT_FATAL
   is reported (`gave_up`) and left stopped: supervision goes on without it;
 - `stop()` (SIGTERM/SIGINT in `run`) sends every child one SIGTERM (drain); a
-  second stop forwards another, which makes the children exit at once;
+  second stop forwards another, which makes the children exit at once. A
+  `serves` child (`jet up`'s inference workers, which the env workers' episodes
+  call) gets its SIGTERM only once the other children told to drain have
+  exited: episodes still running when the drain began get their replies and
+  finish, instead of waiting out their drain timeout on a server already gone;
 - with `reload`, `roll()` (SIGHUP in `run`) starts the next generation on the
   other bank (0 <-> 1, so consumer names differ); once each new child called
   `mark_ready` (or READY_TIMEOUT_S passed) the old generation gets SIGTERM and
@@ -85,6 +89,7 @@ class Child:
     required: bool = False  # supervision ends once every required child has exited 0
     optional: bool = False  # its failure is reported and it stays stopped; the others go on
     lingers: bool = False  # once the required children are done, it finishes by itself instead of being stopped
+    serves: bool = False  # the others call it: a drain reaches it once the other drained children have exited
 
 
 class _Proc:
@@ -147,6 +152,8 @@ class Supervisor:
         self.failure: str | None = None
         self.gave_up: list[str] = []  # optional children left stopped after failing, and why
         self.required_done = False  # every required child finished (the stop that spares lingering ones)
+        self._serving_left: list[_Proc] = []  # `serves` children whose drain waits for the others to exit
+        self._drained: list[_Proc] = []  # the other children the first stop told to drain
         self._roll_deadline = 0.0
         self._roll_asked = False
         self._ready_dir = tempfile.mkdtemp(prefix="jet-ready-")
@@ -167,11 +174,15 @@ class Supervisor:
 
     def stop(self, *, spare_lingering: bool = False) -> None:
         """Drain every child (first call; `spare_lingering`: not the `lingers` ones, which finish by
-        themselves); exit them at once (second call)."""
+        themselves; `serves` ones once the others drained, in `poll`); exit them at once (second call)."""
         self.stops += 1
-        for p in self.gen + self.waiting + (self.draining if self.stops > 1 else []):
-            if not (spare_lingering and p.child.lingers):
+        told = [p for p in self.gen + self.waiting + (self.draining if self.stops > 1 else [])
+                if not (spare_lingering and p.child.lingers)]
+        self._serving_left = [p for p in told if p.child.serves] if self.stops == 1 else []
+        for p in told:
+            if p not in self._serving_left:
                 p.signal(signal.SIGTERM)
+        self._drained = [p for p in told if not p.child.serves]
 
     def lingering(self) -> list[str]:
         """The `lingers` children still running after the required ones finished (none after any other stop)."""
@@ -193,6 +204,10 @@ class Supervisor:
     def poll(self) -> bool:
         """One step of supervision; False once everything has exited."""
         now = time.monotonic()
+        if self._serving_left and not any(p.alive for p in self._drained):
+            for p in self._serving_left:  # the roles they serve have exited: the servers drain now
+                p.signal(signal.SIGTERM)
+            self._serving_left = []
         for p in [p for p in self.draining if not p.alive]:
             self.draining.remove(p)
             self.codes.append(p.popen.returncode)

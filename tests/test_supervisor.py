@@ -141,6 +141,45 @@ def test_an_optional_child_that_fails_is_left_stopped_and_a_lingering_one_finish
     assert [p.popen.returncode for p in sup.procs] == [0, EXIT_FATAL, 0]
 
 
+def test_a_serving_child_drains_once_the_children_it_serves_have_exited(tmp_path):
+    """`jet up`'s inference worker and env worker: the env worker's drain finishes its running episode,
+    which needs replies, so the server gets its SIGTERM only once the client has exited."""
+    log = tmp_path / "order"
+    server = Child("infer", script(tmp_path, "server", f"""
+        import signal, sys, time
+        def drain(*_):
+            open({str(log)!r}, "a").write("server drained\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, drain)
+        while True:
+            time.sleep(0.02)
+    """), serves=True)
+    client = Child("env", script(tmp_path, "client", f"""
+        import signal, sys, time
+        def drain(*_):
+            time.sleep(0.5)  # the running episode, answered by the server
+            open({str(log)!r}, "a").write("client finished its episode\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, drain)
+        while True:
+            time.sleep(0.02)
+    """))
+    sup = Supervisor(lambda bank: [server, client], restart_delay_s=FAST).start()
+    time.sleep(0.5)  # both installed their handlers
+    sup.stop()
+    assert sup.procs[0].alive, "the server was not told to drain with the others"
+    drive(sup, lambda: not sup.poll())
+    assert log.read_text().splitlines() == ["client finished its episode", "server drained"]
+    assert [p.popen.returncode for p in sup.procs] == [0, 0] and sup.exit_code() == 0
+    # a second stop reaches every child at once, servers included
+    sup = Supervisor(lambda bank: [server, client], restart_delay_s=FAST).start()
+    time.sleep(0.5)
+    sup.stop()
+    sup.stop()
+    drive(sup, lambda: not any(p.alive for p in sup.procs), timeout=2.0)
+    assert log.read_text().splitlines()[2] == "server drained", "the second stop made the server drain at once"
+
+
 def test_run_drains_every_child_on_sigterm(tmp_path):
     marker = tmp_path / "drained"
     child = script(tmp_path, "drainer", f"""

@@ -9,8 +9,9 @@ A role that crashes is restarted with backoff; one that keeps crashing, or
 stops with a fatal error (bad config, refused credentials, the wrong server),
 ends `jet up` with that error and the role's last log lines on the terminal.
 Ctrl-C (or SIGTERM) drains: every role gets SIGTERM (finish or release work,
-checkpoint; a trainer in a long step abandons it at its next micro-batch), then
-the server stops gracefully. The drain waits `drain_deadline`: a minute plus twice
+checkpoint; a trainer in a long step abandons it at its next micro-batch), the
+inference workers once the env workers have exited (their running episodes get
+their replies), then the server stops gracefully. The drain waits `drain_deadline`: a minute plus twice
 the longest micro-batch a trainer has reported, then kills what is left. Role logs go to
 `<runs_dir>/<run>/logs/`.
 
@@ -62,7 +63,9 @@ def roles_for(cfg: JetConfig, config_path: str, overrides: tuple[str, ...], env_
         specs += [(f"train-{m.name}", role("jet.trainer.cli", "--model", m.name), True)
                   for m in cfg.models if m.trainable]
     threads = thread_shares(cfg, has_trainer())
-    children = [Child(name, argv, log=run.log(name) if run else None, required=req,
+    # The inference workers serve the env workers' episodes: a drain reaches them once the env workers exited.
+    serving = {infer_role(group) for group in cfg.serving_groups()}
+    children = [Child(name, argv, log=run.log(name) if run else None, required=req, serves=name in serving,
                       env=_thread_env(threads[name]) if name in threads else {})
                 for name, argv, req in specs]
     # The evaluators: one thread and a lower CPU priority each, optional (a failing one never stops the run) and
