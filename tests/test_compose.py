@@ -52,6 +52,10 @@ def test_structure():
         assert svc["environment"]["JET_REDIS_URL"] == f"redis://:{PASSWORD_VAR}@redis:6379/0", name
         assert "models:/app/.jet/models" in svc["volumes"] and "runs:/app/runs" in svc["volumes"]
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert name == "init" or svc["depends_on"]["init"]["condition"] == "service_completed_successfully"
+    # compose stops dependents first: the clients of the inference worker drain while it still answers
+    for name in ("env", "gateway"):
+        assert c["services"][name]["depends_on"]["infer"] == {"condition": "service_started"}, name
     # env scales with --scale env=N: no fixed name, no host ports.
     assert "container_name" not in c["services"]["env"] and "ports" not in c["services"]["env"]
     # The gateway is published on the host's loopback only.
