@@ -56,6 +56,7 @@ def test_structure():
     # compose stops dependents first: the clients of the inference worker drain while it still answers
     for name in ("env", "gateway"):
         assert c["services"][name]["depends_on"]["infer"] == {"condition": "service_started"}, name
+    assert stop_waves(c["services"], ROLES) == [["env", "feed", "gateway", "trainer"], ["infer"]]
     # env scales with --scale env=N: no fixed name, no host ports.
     assert "container_name" not in c["services"]["env"] and "ports" not in c["services"]["env"]
     # The gateway is published on the host's loopback only.
@@ -200,7 +201,20 @@ def test_every_service_command_runs(app, redis_url):
         for name, p in procs.items():
             assert p.poll() is None, f"{name} exited early:\n{p.stdout.read().decode()[-3000:]}"
     finally:
-        for p in procs.values():
-            p.send_signal(signal.SIGTERM)
-        codes = {name: p.wait(90) for name, p in procs.items()}
+        codes = {}
+        for wave in stop_waves(compose()["services"], set(procs)):  # as `docker compose stop` orders them
+            for name in wave:
+                procs[name].send_signal(signal.SIGTERM)
+            codes.update({name: procs[name].wait(90) for name in wave})
     assert codes == {name: 0 for name in procs}, {n: procs[n].stdout.read().decode()[-1500:] for n in procs}
+
+
+def stop_waves(services: dict, names: set[str]) -> list[list[str]]:
+    """`names` in compose's stop order: each wave holds the services no service left running depends on."""
+    left, waves = set(names), []
+    while left:
+        wave = sorted(n for n in left if not any(n in services[m].get("depends_on", {}) for m in left))
+        assert wave, f"a dependency cycle among {sorted(left)}"
+        waves.append(wave)
+        left -= set(wave)
+    return waves

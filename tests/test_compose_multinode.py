@@ -117,9 +117,12 @@ def test_every_service_command_runs(tmp_path, redis_url):
             assert time.monotonic() < deadline, "the trainer rank never joined:\n" + logs["trainer"].read_text()[-3000:]
             time.sleep(1)
     finally:
-        for p in procs.values():
-            p.send_signal(signal.SIGTERM)
-        codes = {name: p.wait(120) for name, p in procs.items()}
+        # the inference node last, as docs/deployment.md says ("Stopping"): its clients' episodes get replies
+        codes = {}
+        for wave in (sorted(set(procs) - {"infer"}), ["infer"]):
+            for name in wave:
+                procs[name].send_signal(signal.SIGTERM)
+            codes.update({name: procs[name].wait(120) for name in wave})
     assert codes == {**{n: 0 for n in codes}, "trainer": codes["trainer"]}, {
         n: logs[n].read_text()[-1500:] for n in codes}
     # torchrun forwards SIGTERM to its rank, which drains and exits 0; torchrun itself then reports
