@@ -155,13 +155,16 @@ def run_service(name: str, app: Path, url: str, port: str = GATEWAY_PORT) -> sub
     return subprocess.Popen(argv, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-async def roles_serving(url: str, procs: dict[str, subprocess.Popen], port: str) -> set[str]:
-    """The roles up in the packaged config's run (`demo`): the feed has topped up tasks:guess, env, infer
+async def roles_serving(url: str, procs: dict[str, subprocess.Popen], port: str, run: str = "demo",
+                        logs: dict[str, Path] | None = None) -> set[str]:
+    """The roles up in `run` (the packaged config's `demo`): the feed has topped up tasks:guess, env, infer
     and trainer beat in the worker registry, the gateway answers on its port (401: no key given); fails at
-    once, with its output, when a role exits."""
+    once, with its output (or its log), when a role exits."""
     for name, p in procs.items():
-        assert p.poll() is None, f"{name} exited early:\n{p.stdout.read().decode()[-3000:]}"
-    keys = Keys("demo")
+        if p.poll() is not None:
+            out = logs[name].read_text() if logs else p.stdout.read().decode()
+            pytest.fail(f"{name} exited early:\n{out[-3000:]}")
+    keys = Keys(run)
     r = await connect(url)
     try:
         up = {w["role"] for w in await registry.workers(r, keys, url=url) if w["alive"]} & ROLES

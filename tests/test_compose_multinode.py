@@ -10,16 +10,17 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import anyio
 import pytest
 import yaml
 
 from jet.config import default_config_path
 from jet.queues.server import free_port
+from tests.queues.helpers import eventually
+from tests.test_compose import ROLES, redis_service, roles_serving
 from tests.test_compose import compose as compose_file
-from tests.test_compose import redis_service
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE = ROOT / "docker-compose.multinode.yml"
@@ -108,14 +109,19 @@ def test_every_service_command_runs(tmp_path, redis_url):
             procs[name] = subprocess.Popen(local_argv(name, env), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                                            env={**os.environ, **env}, start_new_session=True)
     try:
-        # Every role starts (imports, model load, groups, gateway bind); the trainer's rank is up once
-        # its group exists (DeepSpeed built its CPU comm op first, which takes a while here).
-        deadline = time.monotonic() + 300
-        while not trainer_group(redis_url, run) or time.monotonic() < deadline - 270:
-            for name, p in procs.items():
-                assert p.poll() is None, f"{name} exited early:\n{logs[name].read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the trainer rank never joined:\n" + logs["trainer"].read_text()[-3000:]
-            time.sleep(1)
+        # Every role is up (imports, model load, groups, gateway bind: as tests/test_compose.py checks)
+        # and the trainer's rank has joined once its group exists (DeepSpeed builds its CPU comm op first).
+        up: set[str] = set()
+
+        async def all_up() -> bool:
+            up.update(await roles_serving(redis_url, procs, env["GATEWAY_PORT"], run, logs))
+            return up == ROLES and await trainer_group(redis_url, run)
+
+        try:
+            anyio.run(eventually, all_up, 300, 1.0)
+        except TimeoutError:
+            pytest.fail(f"after 300 s not up: {sorted(ROLES - up) or 'the trainer rank'}:\n"
+                        + logs["trainer"].read_text()[-3000:])
     finally:
         # the inference node last, as docs/deployment.md says ("Stopping"): its clients' episodes get replies
         codes = {}
@@ -131,19 +137,14 @@ def test_every_service_command_runs(tmp_path, redis_url):
     assert "trainer of tiny stopped at step" in trainer and "got signal: 15" in trainer, trainer[-3000:]
 
 
-def trainer_group(url: str, run: str) -> bool:
-    import anyio
-
+async def trainer_group(url: str, run: str) -> bool:
     from jet.keys import GROUP_TRAINER, Keys
     from jet.queues.connect import connect
 
-    async def probe() -> bool:
-        r = await connect(url)
-        try:
-            key = Keys(run).traj("tiny")
-            return bool(await r.exists(key)) and any(
-                g["name"] == GROUP_TRAINER.encode() for g in await r.xinfo_groups(key))
-        finally:
-            await r.aclose()
-
-    return anyio.run(probe)
+    r = await connect(url)
+    try:
+        key = Keys(run).traj("tiny")
+        return bool(await r.exists(key)) and any(
+            g["name"] == GROUP_TRAINER.encode() for g in await r.xinfo_groups(key))
+    finally:
+        await r.aclose()
