@@ -91,8 +91,8 @@ class QueueConfig(Section):
     """Lease on a read message (ms): past it, the reaper may hand the message to another consumer."""
     max_deliveries: PositiveInt = 5
     """Deliveries (first read + reclaims) before a message goes to the dead-letter stream."""
-    block_ms: PositiveInt = 2_000
-    """Blocking read timeout (ms) of XREADGROUP; 1-5 s keeps shutdown prompt without busy polling."""
+    block_ms: PositiveInt = 1_000
+    """Blocking read timeout (ms) of XREADGROUP: a drain waits up to this for a read in progress."""
     batch: PositiveInt = 64
     """Entries fetched per read (count)."""
     maxlen: dict[str, PositiveInt] = Field(default_factory=lambda: dict(DEFAULT_MAXLEN))
