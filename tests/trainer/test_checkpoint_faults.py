@@ -13,9 +13,10 @@ checkpoint or point (which a resume acks and copies to the ledger).
 Then a trainer restarts on the same run and finishes: the ledger must hold
 every entry exactly once, every trainable trajectory trained exactly once,
 the acked set equal to the ledger's, nothing pending, and the versions
-announced on `weights:<model>` only ever grew. One case trains a LoRA
-adapter (`models[].adapter`), whose checkpoints hold the adapter alone and
-whose resume points load the published adapter.
+announced on `weights:<model>` only ever grew. Two points (a checkpoint's
+first, a resume point's last) are killed with a LoRA adapter model
+(`models[].adapter`) instead of the full one: its checkpoints hold the adapter
+alone and its resume points load the published adapter.
 
 A second test is the deterministic repro of a ledger bug: one good group, a
 checkpoint, then four failed trajectories and SIGTERM: the stop's checkpoint
@@ -50,8 +51,11 @@ from tests.trainer.test_trainer_redis import ROOT, check_exactly_once, trainer_d
 # two checkpoints, keep_checkpoints 2 prunes nothing in between); point:begin and :saved (as :state).
 POINTS = ["checkpoint:saved", "checkpoint:state", "checkpoint:renamed", "checkpoint:ledger", "checkpoint:acked"]
 RESUME_POINTS = ["point:state", "point:renamed", "point:ledger", "point:acked"]
-CASES = POINTS + RESUME_POINTS + ["checkpoint:renamed@2", "checkpoint:acked@2", "point:written@2",
-                                  "checkpoint:saved+adapter", "point:acked+adapter"]  # +adapter: LoRA
+# +adapter: a LoRA adapter model at that point instead of the full model (the protocol is the backend's
+# either way; the full model's checkpoints are killed at every other point).
+CASES = ["checkpoint:saved+adapter"] + POINTS[1:] + RESUME_POINTS[:-1] + ["point:acked+adapter",
+                                                                          "checkpoint:renamed@2", "checkpoint:acked@2",
+                                                                          "point:written@2"]
 
 
 def acked(url, keys, msg_ids: list[str]) -> set[str]:
