@@ -152,17 +152,25 @@ def test_the_pages_live_in_a_browser_while_jet_up_trains(swarm):
             page.screenshot(path=str(shots / "dash-training.png"), full_page=True)
 
             # -- episodes: a list, then one episode with its conversation decoded from the token ids
-            page.goto(url + "#/episodes")
-            page.wait_for_selector("tr.click", timeout=30_000)
-            page.screenshot(path=str(shots / "dash-episodes.png"), full_page=True)
-            entry = page.get_attribute("tr.click", "data-id")
-            page.click(f"tr.click[data-id='{entry}']")
-            page.wait_for_selector(".tokens .tok.m1", state="attached", timeout=30_000)
-            shown = page.text_content(".tokens")
             from jet.queues import codec
             from jet.wire import Trajectory
 
-            traj = Trajectory.from_payload(codec.decode(r.xrange(keys.traj("tiny"), entry, entry)[0][1]))
+            # The trainer consumes trajectories as the run goes and the consumed ones are trimmed from
+            # traj:tiny (every few seconds): the test reads the episode as soon as the page lists it, and
+            # when it is already gone, reloads the page and takes its first row again.
+            page.goto(url + "#/episodes")
+            for _ in range(5):
+                page.wait_for_selector("tr.click", timeout=30_000)
+                page.screenshot(path=str(shots / "dash-episodes.png"), full_page=True)
+                entry = page.get_attribute("tr.click", "data-id")
+                if found := r.xrange(keys.traj("tiny"), entry, entry):
+                    break
+                page.reload()
+            assert found, "every episode the page listed was trimmed before the test could read it"
+            page.click(f"tr.click[data-id='{entry}']")
+            page.wait_for_selector(".tokens .tok.m1", state="attached", timeout=30_000)
+            shown = page.text_content(".tokens")
+            traj = Trajectory.from_payload(codec.decode(found[0][1]))
             tok = AutoTokenizer.from_pretrained(swarm["tmp"] / ".jet" / "models" / "tiny")
             assert shown == tok.decode(list(traj.samples[0].tokens), skip_special_tokens=False)
             assert "<|im_start|>" in shown and "Guess a number" in shown

@@ -280,9 +280,14 @@ function tokensView(s) {
 async function renderEpisode(r, gen) {
   const [, model, id] = r.parts;
   const stream = r.params.get("stream") || "";
-  const e = await api(`api/episode?model=${encodeURIComponent(model)}&id=${encodeURIComponent(id)}` +
-                      (stream ? `&stream=${stream}` : ""));
+  // An entry never changes, and the trainer's trim may remove it once trained: the episode last read is
+  // kept, so switching the colouring re-renders it without reading it again.
+  const key = `${model}|${id}|${stream}`;
+  const e = state.episode && state.episode.key === key ? state.episode.e
+    : await api(`api/episode?model=${encodeURIComponent(model)}&id=${encodeURIComponent(id)}` +
+                (stream ? `&stream=${stream}` : ""));
   if (e.unreadable) { put(gen, h("div", {class: "banner error"}, e.unreadable)); return; }
+  state.episode = {key, e};
   const meta = h("dl", {class: "meta"}, ...[
     ["task", e.task], ["reward", e.failed ? "– (failed)" : fmt(e.reward) + (e.rewards ? ` ${JSON.stringify(e.rewards)}` : "")],
     ["status", e.failed ? `failed: ${e.error}` : e.no_llm_calls ? "finished, but no LLM call was recorded" : "finished"],
