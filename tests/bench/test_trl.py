@@ -127,9 +127,9 @@ def test_bench_trl_jet_arms_on_the_multi_turn_task(tmp_path):
     from jet.models import init_model
 
     model = init_model(tmp_path / "tiny", max_position=1024, seed=0)
-    args = ["--task", "tally", "--arms", "jet,jet-flat", "--model", str(model), "--budget-s", "15", "--eval-n", "3",
+    args = ["--task", "tally", "--arms", "jet,jet-flat", "--model", str(model), "--budget-s", "35", "--eval-n", "3",
             "--group-size", "2", "--batch-groups", "2", "--max-tokens", "3", "--lr", "1e-3", "--repeats", "1",
-            "--seed", "7", "--mark-every-s", "5", "--out", str(tmp_path / "out"), "--json"]
+            "--seed", "7", "--mark-every-s", "12", "--out", str(tmp_path / "out"), "--json"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output[-3000:]
     report = json.loads(result.output[result.output.index("{"):])
@@ -141,9 +141,9 @@ def test_bench_trl_jet_arms_on_the_multi_turn_task(tmp_path):
         assert run["prefill_tokens_per_trajectory"] < run["prompt_tokens_per_trajectory"], run
         e = run["eval"]
         assert e["n"] == 3 and len(e["results"]) == 3 and all(v in (0, 0.25, 0.5, 0.75, 1) for v in e["results"])
-        # the weights kept at 5, 10 and 15 s: versions published by then (in order), evaluated after the run
-        assert [m["mark_s"] for m in run["marks"]] == [5, 10, 15] and run["seed"] == 7
-        assert [p["t"] for p in run["curve"]] == [0, 5, 10, 15] and run["curve"][-1]["accuracy"] == e["accuracy"]
+        # the weights kept at 12, 24 and 35 s: versions published by then (in order), evaluated after the run
+        assert [m["mark_s"] for m in run["marks"]] == [12, 24, 35] and run["seed"] == 7
+        assert [p["t"] for p in run["curve"]] == [0, 12, 24, 35] and run["curve"][-1]["accuracy"] == e["accuracy"]
         kept = [m["version"] for m in run["marks"]]
         assert kept == sorted(kept) and kept[-1] >= 1 and all(m["weights_time_s"] <= m["mark_s"] for m in run["marks"])
         assert run["swarm"]["trajectories"] >= run["trajectories"], "from the swarm's counters in Redis"
@@ -158,7 +158,7 @@ def test_bench_trl_jet_arms_on_the_multi_turn_task(tmp_path):
     assert (tmp_path / "out" / "report.json").is_file() and (tmp_path / "out" / "reward.png").is_file()
     assert (tmp_path / "out" / "accuracy.png").is_file() and set(report["time_to_accuracy"]["bands"]) == {
         "jet", "jet-flat"}
-    assert [p["t"] for p in report["time_to_accuracy"]["bands"]["jet"]] == [0, 5, 10, 15]
+    assert [p["t"] for p in report["time_to_accuracy"]["bands"]["jet"]] == [0, 12, 24, 35]
     # --resume after the fact (as after a crash in the report): the finished runs and every evaluation kept
     again = CliRunner().invoke(cli, [*args, "--resume"])
     assert again.exit_code == 0, again.output[-3000:]
