@@ -23,7 +23,7 @@ from pathlib import Path
 import redis
 
 from jet.errors import ConnectError
-from jet.queues.server import DEFAULT_RUN_DIR, EmbeddedServer, free_port
+from jet.queues.server import DEFAULT_RUN_DIR, EmbeddedServer
 
 SLOTS = 16384
 NODE_TIMEOUT_MS = 3000  # how long a silent node takes to be marked failing (the default is 15 s)
@@ -51,15 +51,15 @@ class EmbeddedCluster:
         if primaries < 1:
             raise ValueError("a cluster needs at least one primary")
         self.run_dir, self.host, self.password = Path(run_dir), host, password
-        ports = ports or [free_port() for _ in range(primaries)]
+        ports = ports or [0] * primaries  # 0: each node picks free ones (and again if one is taken first)
         self.nodes = []
         for i, port in enumerate(ports):
             extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-port", str(free_port()), "--cluster-node-timeout", str(node_timeout_ms)]
+                     "--cluster-node-timeout", str(node_timeout_ms)]
             if password:
                 extra += ["--masterauth", password]
             self.nodes.append(EmbeddedServer(self.run_dir / f"node{i}", port=port, password=password, host=host,
-                                             extra=extra))
+                                             extra=extra, bus_port=0))
 
     # -- addresses ---------------------------------------------------------------
 
@@ -118,8 +118,7 @@ class EmbeddedCluster:
                 r.execute_command("CLUSTER", "ADDSLOTSRANGE", start, end)
         with self.client(0) as r:
             for n in self.nodes[1:]:
-                bus = int(n.extra[n.extra.index("--cluster-port") + 1])
-                r.execute_command("CLUSTER", "MEET", n.host, n.port, bus)
+                r.execute_command("CLUSTER", "MEET", n.host, n.port, n.bus_port)
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every node says cluster_state:ok, knows every node and maps every slot the same."""

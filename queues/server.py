@@ -24,9 +24,25 @@ DEFAULT_RUN_DIR = ".jet"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free right now (all held open while choosing, so none repeats).
+
+    Another process may still take one before the server binds it: `EmbeddedServer.start`
+    picks again when a port it chose itself turns out taken."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+BIND_RETRIES = 3  # fresh picks of a self-chosen port that another process took first
 
 
 def binary() -> str:
@@ -39,10 +55,15 @@ class EmbeddedServer:
     """One valkey-server process. `start()` returns once it answers PING."""
 
     def __init__(self, run_dir: str | os.PathLike = DEFAULT_RUN_DIR, *, port: int = 0,
-                 password: str | None = None, host: str = "127.0.0.1", extra: list[str] | None = None):
+                 password: str | None = None, host: str = "127.0.0.1", extra: list[str] | None = None,
+                 bus_port: int | None = None):
         self.run_dir = Path(run_dir)
         self.data_dir = self.run_dir / "redis"
-        self.port = port or free_port()
+        self.port, self.bus_port = port, bus_port
+        # Ports passed as 0 are picked here, and picked again if another process takes one first.
+        self.picked = not port
+        self.picked_bus = bus_port == 0  # a cluster node's bus port (`--cluster-port`), see jet.queues.cluster
+        self._pick()
         self.password = password
         self.host = host
         self.extra = list(extra or [])  # more valkey-server options (a cluster node's, see jet.queues.cluster)
@@ -66,9 +87,29 @@ class EmbeddedServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.bus_port is not None:
+            args += ["--cluster-port", str(self.bus_port)]
         return args + self.extra
 
-    def start(self, timeout: float = 15.0) -> "EmbeddedServer":
+    def start(self, timeout: float = 15.0) -> EmbeddedServer:
+        """Start it; at its first start, a port it picked that another process took meanwhile
+        (the gap between choosing a free port and binding it) is picked again."""
+        if self.proc is None and (self.picked or self.picked_bus):
+            for _ in range(BIND_RETRIES):
+                try:
+                    return self._start(timeout)
+                except ConnectError as e:
+                    if "Address already in use" not in str(e):
+                        raise
+                    self._pick()
+        return self._start(timeout)
+
+    def _pick(self) -> None:
+        fresh = free_ports(2)
+        self.port = fresh[0] if self.picked else self.port
+        self.bus_port = fresh[1] if self.picked_bus else self.bus_port
+
+    def _start(self, timeout: float) -> EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -87,6 +87,15 @@ class Comm:
             ids = [self.device.index] if self.device.type == "cuda" else None
             torch.distributed.barrier(device_ids=ids)
 
+    def close(self) -> None:
+        """Every rank, at a clean end: leave the process group together, rather than leave its
+        backend's threads to whatever order the interpreter's exit frees things in (torch asks
+        for this; a gloo rank has aborted with "terminate called without an active exception")."""
+        if self.grouped and torch.distributed.is_initialized():
+            self.barrier()
+            torch.distributed.destroy_process_group()
+            self.grouped = False
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         if not self.grouped:
             return t

@@ -250,6 +250,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
                 if not plan.publish:
                     checkpoint(ckpts, engine, comm, intake, state)
                 last_checkpoint = state.step
+    comm.close()
     log.info("trainer of %s stopped at step %d (version %d)", model, state.step, state.version)
     return state
 

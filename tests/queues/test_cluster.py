@@ -13,6 +13,7 @@ import signal
 
 import anyio
 import pytest
+import redis
 
 from jet.errors import ClusterError, ServerError, is_fatal
 from jet.keys import Keys
@@ -311,3 +312,31 @@ def test_jet_server_cluster_prints_a_cluster_url_that_other_commands_find(tmp_pa
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0, p.stderr.read()
     assert not (tmp_path / "server.json").exists()
+
+
+def test_ports_taken_between_picking_and_binding_are_picked_again(tmp_path):
+    """Another process takes the ports a node picked (the race of `--port 0`): the node picks again;
+    a port the user named and that is taken stays a loud error."""
+    import socket
+
+    from jet.errors import ConnectError
+
+    squatters = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        squatters.append(s)
+    taken = [s.getsockname()[1] for s in squatters]
+    try:
+        node = EmbeddedServer(tmp_path / "node", extra=["--cluster-enabled", "yes"], bus_port=0)
+        node.port, node.bus_port = taken  # as if another process bound both right after the pick
+        with node:
+            assert node.port not in taken and node.bus_port not in taken
+            with redis.Redis(port=node.port) as r:
+                assert r.ping() and r.config_get("cluster-port")["cluster-port"] == str(node.bus_port)
+        with pytest.raises(ConnectError, match="Address already in use"):
+            EmbeddedServer(tmp_path / "named", port=taken[0]).start()
+    finally:
+        for s in squatters:
+            s.close()
