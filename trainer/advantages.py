@@ -2,7 +2,8 @@
 
 What it is: `group_advantages(rewards, mode)` for one group's rewards, and
 `member_advantages(rewards, mode)` for a group whose members carry either one
-reward each or one reward per agent (a dict). Three estimators:
+reward each or one reward per agent (a dict), and `no_signal(rewards)` for a group
+whose advantages are all 0 (the trainer's `rollout/no_signal_frac`). Three estimators:
 
 - ``grpo``: (r - mean) / (std + eps), std the sample standard deviation
   (Bessel-corrected, as TRL computes it) (Shao et al. 2024, DeepSeekMath);
@@ -64,6 +65,16 @@ def member_advantages(rewards: Sequence[Reward], mode: str) -> list[dict[str | N
         for i, a in zip(members, group_advantages(values, mode).tolist()):
             out[i][key] = a
     return out
+
+
+def no_signal(rewards: Sequence[Reward]) -> bool:
+    """True when every member's advantage is 0 in every mode: one member, or each baseline's rewards
+    (the scalar rewards, or each agent's) all equal. Such a group adds nothing to the policy gradient."""
+    keys: dict[str | None, set[float]] = {}
+    for r in rewards:
+        for key in (r.keys() if isinstance(r, dict) else (None,)):
+            keys.setdefault(key, set()).add(_value(r, key))
+    return len(rewards) < 2 or all(len(values) == 1 for values in keys.values())
 
 
 def _value(reward: Reward, key: str | None) -> float:

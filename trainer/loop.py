@@ -87,6 +87,7 @@ import torch
 from jet import adapters
 from jet.config import AdapterConfig, JetConfig, TrainerConfig, write_resolved
 from jet.runs import RunDir
+from jet.trainer.advantages import no_signal
 from jet.trainer.batch import mean_reward
 from jet.trainer.checkpoint import Checkpoints, die_at
 from jet.trainer.dist import Comm, Plan
@@ -378,6 +379,8 @@ def step_metrics(stats, inputs, staleness: list[int], groups, lr: float, state: 
         "train/micro_batches": stats.rows,
         "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),
         "rollout/groups": len(groups), "rollout/trajectories": len(inputs.rewards),
+        "rollout/no_signal_frac": sum(no_signal([t.reward for t in g.trajectories()]) for g in groups)
+        / max(1, len(groups)),
         "policy/version": state.version, "policy/is_masked_frac": stats.masked / max(1.0, stats.tokens),
         "policy/is_truncated_frac": stats.truncated / max(1.0, stats.tokens),
         "policy/staleness": sum(staleness) / max(1, len(staleness)), "policy/staleness_max": max(staleness, default=0),

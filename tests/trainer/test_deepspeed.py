@@ -25,6 +25,7 @@ import pytest
 
 from jet.keys import Keys
 from jet.runs import read_metrics as read
+from jet.trainer.advantages import no_signal
 from tests.trainer.helpers import MODEL
 from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 
@@ -59,6 +60,9 @@ def train(tmp_path: Path, url: str, tiny_model: Path, run: str, *extra: str, ada
     rows = read(tmp_path / "runs" / run / "trainer" / MODEL / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["counts/trained"] == 6 * r["step"] for r in rows)
+    # every group trained once: the steps' groups without an advantage signal are the workload's
+    quiet = sum(no_signal([t.reward for t in trajs[i:i + 3]]) for i in range(0, len(trajs), 3))
+    assert sum(round(r["rollout/no_signal_frac"] * r["rollout/groups"]) for r in rows) == quiet
     return rows
 
 

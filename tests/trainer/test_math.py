@@ -9,7 +9,7 @@ import torch
 
 from jet.config import TrainerConfig
 from jet.timeline import Sample
-from jet.trainer.advantages import group_advantages, member_advantages
+from jet.trainer.advantages import group_advantages, member_advantages, no_signal
 from jet.trainer.batch import build_step
 from jet.trainer.losses import k3_kl, ppo_loss
 from jet.trainer.optim import lr_at
@@ -43,6 +43,20 @@ def test_per_agent_rewards_get_their_own_baseline():
     # agent a over three members (mean 1), agent b over the two that have it (mean 1)
     assert out == [{"a": 0.0, "b": -1.0}, {"a": -1.0, "b": 1.0}, {"a": 1.0}]
     assert member_advantages([1.0, 3.0], "rloo") == [{None: -2.0}, {None: 2.0}]
+
+
+@pytest.mark.parametrize("rewards,expected", [
+    ([0.0] * 8, True), ([1.0, 1.0, 1.0], True), ([0.7], True), ([0.0, 0.0, 1.0], False),
+    ([{"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 0.0}], True),   # each agent's rewards equal
+    ([{"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 1.0}], False),  # agent b differs
+    ([{"a": 1.0, "b": 3.0}, {"a": 1.0}], True),             # b has one member: no baseline
+    ([{"a": 1.0}, {"a": 2.0}, {"b": 5.0}], False)])
+def test_no_signal_is_every_advantage_zero(rewards, expected):
+    """`rollout/no_signal_frac` counts the groups whose advantages are all 0, in every estimator."""
+    assert no_signal(rewards) is expected
+    for mode in ("grpo", "rloo", "no_std"):
+        zero = all(abs(a) < 1e-12 for m in member_advantages(rewards, mode) for a in m.values())
+        assert zero is expected, mode
 
 
 def test_ppo_loss_by_hand():
