@@ -105,9 +105,9 @@ class EmbeddedServer:
         return self._start(timeout)
 
     def _pick(self) -> None:
-        fresh = free_ports(2)
-        self.port = fresh[0] if self.picked else self.port
-        self.bus_port = fresh[1] if self.picked_bus else self.bus_port
+        fresh = iter(free_ports(self.picked + self.picked_bus))  # only the ports still to pick
+        self.port = next(fresh) if self.picked else self.port
+        self.bus_port = next(fresh) if self.picked_bus else self.bus_port
 
     def _start(self, timeout: float) -> EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -56,11 +56,7 @@ def member_advantages(rewards: Sequence[Reward], mode: str) -> list[dict[str | N
     rewards form one baseline together (key None).
     """
     out: list[dict[str | None, float]] = [{} for _ in rewards]
-    keys: dict[str | None, list[int]] = {}
-    for i, r in enumerate(rewards):
-        for key in (r.keys() if isinstance(r, dict) else (None,)):
-            keys.setdefault(key, []).append(i)
-    for key, members in keys.items():
+    for key, members in baselines(rewards).items():
         values = torch.tensor([_value(rewards[i], key) for i in members], dtype=torch.float64)
         for i, a in zip(members, group_advantages(values, mode).tolist()):
             out[i][key] = a
@@ -70,11 +66,18 @@ def member_advantages(rewards: Sequence[Reward], mode: str) -> list[dict[str | N
 def no_signal(rewards: Sequence[Reward]) -> bool:
     """True when every member's advantage is 0 in every mode: one member, or each baseline's rewards
     (the scalar rewards, or each agent's) all equal. Such a group adds nothing to the policy gradient."""
-    keys: dict[str | None, set[float]] = {}
-    for r in rewards:
+    return len(rewards) < 2 or all(len({_value(rewards[i], key) for i in members}) == 1
+                                   for key, members in baselines(rewards).items())
+
+
+def baselines(rewards: Sequence[Reward]) -> dict[str | None, list[int]]:
+    """Each baseline's members (indices): the members whose reward has an entry for agent `a`, or all
+    members with a scalar reward (key None)."""
+    out: dict[str | None, list[int]] = {}
+    for i, r in enumerate(rewards):
         for key in (r.keys() if isinstance(r, dict) else (None,)):
-            keys.setdefault(key, set()).add(_value(r, key))
-    return len(rewards) < 2 or all(len(values) == 1 for values in keys.values())
+            out.setdefault(key, []).append(i)
+    return out
 
 
 def _value(reward: Reward, key: str | None) -> float:
