@@ -22,13 +22,22 @@ run's last checkpoint).
 
 Timeouts count from the run's first start (kept in Redis), so retries and
 reclaims never extend a run's budget.
+
+A finished run's outcome is also kept in its folder (`study-result.json`,
+`record`) before the worker tidies the folder (`tidy`: the checkpoints, and
+weight versions, that a finished run no longer needs, per `worker.keep_files`).
+A request delivered again after that (its worker died before the commit)
+commits the kept outcome instead of running again from a folder without
+checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -36,14 +45,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import orjson
 
+from jet.errors import CodecError
 from jet.runs import MetricsFile, RunDir, read_metrics
 from jet.study import ledger
 from jet.study.keeper import EXIT_NO_LEASE
 from jet.study.messages import Progress, RunRequest, RunResult
 from jet.supervisor import python_module
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.5
+RESULT_FILE = "study-result.json"  # in the run's folder: the outcome committed for it
 FATAL = "stopped with an error that restarting cannot fix"  # jet.supervisor's words for a fatal exit
 _RESUMED = re.compile(r"resumed \S+ from .* \(step (\d+)")
 
@@ -164,6 +178,51 @@ def resumed_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
+def record(run_dir: Path, req: RunRequest, result: RunResult) -> None:
+    """Keep a finished run's request and outcome in its folder (whole or not at all), before `tidy`
+    deletes anything."""
+    from jet.trainer.checkpoint import write_json
+
+    if run_dir.is_dir():  # a run stopped before it ever started has no folder: nothing to tidy either
+        write_json(run_dir / RESULT_FILE, {"request": req.meta(), "result": result.to_meta()})
+
+
+def recorded(run_dir: Path, req: RunRequest) -> RunResult | None:
+    """The outcome `record` kept for this very request (the same run, arm, seed, config and overrides),
+    if any; a damaged file counts as none (the run runs again)."""
+    try:
+        kept = orjson.loads((run_dir / RESULT_FILE).read_bytes())
+        result = RunResult.from_meta(kept["result"])
+        same = kept["request"] == orjson.loads(orjson.dumps(req.meta()))
+    except FileNotFoundError:
+        return None
+    except (OSError, orjson.JSONDecodeError, CodecError, KeyError, TypeError, ValueError, AttributeError) as e:
+        log.warning("run %s: ignoring its damaged %s (%s)", req.run, RESULT_FILE, e)
+        return None
+    return result if same and result.run == req.run else None
+
+
+def tidy(run_dir: Path, keep: str) -> int:
+    """Delete what a finished run no longer needs; returns the bytes freed. `keep` (`worker.keep_files`):
+    'all' deletes nothing; 'final_weights' deletes the trainers' checkpoints and every published weight
+    version but each model's newest; 'metrics' deletes those and the newest too. Metrics, evaluations,
+    logs, the config and the ledger stay: the study's report reads only those."""
+    if keep == "all":
+        return 0
+    rd = RunDir.at(run_dir)
+    doomed = [rd.trainer_files(m).checkpoints for m in rd.trained_models()]
+    weights = rd.root / "weights"
+    for model in sorted(p.name for p in weights.iterdir() if p.is_dir()) if weights.is_dir() else []:
+        versions = rd.versions(model)
+        doomed += [rd.weight_version(model, v) for v in (versions if keep == "metrics" else versions[:-1])]
+    freed = 0
+    for path in doomed:
+        if path.is_dir():
+            freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path)
+    return freed
+
+
 def run_env(req: RunRequest) -> dict[str, str]:
     """The run's environment: ours and the study's, minus the markers of our own supervisor (jet up's
     roles would take it for theirs and drain at once)."""
@@ -186,8 +245,31 @@ def keeper_argv(req: RunRequest, files: RunFiles, url: str) -> list[str]:
 
 async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: str, deliveries: int,
                   draining: anyio.Event) -> Finished | Retry:
-    """Run (or resume) one request to its outcome; see the module docstring."""
+    """Run (or resume) one request to its outcome, then keep the outcome in the run's folder and tidy
+    the folder (`record`, `tidy`); see the module docstring."""
     files = compose(req, study_dir)
+    kept = await anyio.to_thread.run_sync(recorded, files.run_dir, req)
+    if kept is not None:
+        log.info("run %s finished here before (%s): committing its kept outcome", req.run, kept.status)
+        outcome: Finished | Retry = Finished(kept)
+    else:
+        outcome = await _execute(req, r, url, keys, files, worker, deliveries, draining)
+    if isinstance(outcome, Finished):
+        await anyio.to_thread.run_sync(_settle_files, files.run_dir, req, outcome.result, kept is None)
+    return outcome
+
+
+def _settle_files(run_dir: Path, req: RunRequest, result: RunResult, new: bool) -> None:
+    if new:
+        record(run_dir, req, result)
+    freed = tidy(run_dir, req.keep_files)
+    if freed:
+        log.info("run %s: deleted %.1f GB it no longer needs (worker.keep_files: %s)", req.run, freed / 1e9,
+                 req.keep_files)
+
+
+async def _execute(req: RunRequest, r, url: str, keys, files: RunFiles, worker: str, deliveries: int,
+                   draining: anyio.Event) -> Finished | Retry:
     started = await ledger.first_start(r, url, keys, req.run)
 
     def result(status: str, reason: str, rows: list[dict], measured: list[dict] | None = None) -> Finished:

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from jet.errors import CodecError
 from jet.queues import codec
 
@@ -35,6 +37,15 @@ def _get(meta: dict, key: str, typ: type | tuple[type, ...], kind: str) -> Any:
     value = meta.get(key)
     if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, float, (int, float))):
         raise CodecError(f"{kind}: field {key!r} must be {getattr(typ, '__name__', typ)}, got {value!r}")
+    return value
+
+
+KEEP_FILES = ("final_weights", "metrics", "all")  # `worker.keep_files` of a study file
+
+
+def _keep(value: Any) -> str:
+    if value not in KEEP_FILES:
+        raise CodecError(f"{REQUEST}: field 'keep_files' must be one of {', '.join(KEEP_FILES)}, got {value!r}")
     return value
 
 
@@ -60,6 +71,7 @@ class RunRequest:
     max_retries: int
     stop_grace_s: float
     env: dict[str, str] = field(default_factory=dict)
+    keep_files: str = "final_weights"  # what the run's folder keeps once it finished (`worker.keep_files`)
 
     def to_fields(self) -> dict[bytes, bytes]:
         meta = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -75,7 +87,8 @@ class RunRequest:
                    metric=_get(m, "metric", str, k), model=m.get("model") if isinstance(m.get("model"), str) else None,
                    steps=_get(m, "steps", int, k), timeout_s=float(_get(m, "timeout_s", (int, float), k)),
                    max_retries=_get(m, "max_retries", int, k),
-                   stop_grace_s=float(_get(m, "stop_grace_s", (int, float), k)), env=_get(m, "env", dict, k))
+                   stop_grace_s=float(_get(m, "stop_grace_s", (int, float), k)), env=_get(m, "env", dict, k),
+                   keep_files=_keep(m.get("keep_files", "final_weights")))
 
     def meta(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -110,6 +123,17 @@ class RunResult:
         meta = {k: getattr(self, k) for k in self.__dataclass_fields__}
         meta["curve"] = [[int(s), float(v)] for s, v in self.curve]
         return codec.encode(RESULT, meta, msg_id=self.run)
+
+    def to_meta(self) -> dict[str, Any]:
+        """Its fields as JSON values, as its entry carries them (the run folder's copy: `jet.study.execution`)."""
+        return orjson.loads(self.to_fields()[b"m"])
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> RunResult:
+        """The result `to_meta` gave; CodecError names what is wrong with a damaged one."""
+        if not isinstance(meta, dict):
+            raise CodecError(f"{RESULT}: not a JSON object")
+        return cls.from_payload(codec.Payload(kind=RESULT, msg_id=str(meta.get("run")), meta=meta))
 
     @classmethod
     def from_payload(cls, p: codec.Payload) -> "RunResult":

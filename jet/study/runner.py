@@ -286,7 +286,8 @@ class Runner(StudyState):
         return RunRequest(study=s.name, run=run_name(s.name, arm.number, seed), trial=arm.number, seed=seed,
                           stage=stage, params=arm.params, base=s.base, overrides=overrides_of(s, arm.params),
                           metric=s.metric.name, model=model, steps=steps, timeout_s=b.run_timeout_s,
-                          max_retries=b.max_retries, stop_grace_s=s.worker.stop_grace_s, env=dict(s.worker.env))
+                          max_retries=b.max_retries, stop_grace_s=s.worker.stop_grace_s, env=dict(s.worker.env),
+                          keep_files=s.worker.keep_files)
 
     async def ask(self) -> bool:
         """Add one screening arm: a hypothesis arm first, then the LLM's proposal or the sampler's."""

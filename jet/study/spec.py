@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from jet.configlib import Section, problem
+from jet.study.messages import KEEP_FILES
 
 __all__ = ["Study", "Param", "Metric", "Hypothesis", "Budget", "Planner", "Pruner", "Confirm", "arm_label",
            "RESERVED"]
@@ -226,6 +227,10 @@ class Worker(_Strict):
     env: dict[str, str] = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     # How long a stopped run may take to drain (checkpoint) before it is killed (s).
     stop_grace_s: float = Field(120.0, gt=0)
+    # What a finished run's folder keeps: 'final_weights' (metrics, evaluations, logs and each model's
+    # newest published weights; checkpoints and older versions are deleted), 'metrics' (no weights
+    # either) or 'all' (nothing deleted). The report reads only metrics and evaluations.
+    keep_files: Literal[KEEP_FILES] = "final_weights"
 
 
 class Study(_Strict):

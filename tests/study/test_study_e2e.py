@@ -131,3 +131,20 @@ def test_status_and_report_commands_read_the_finished_study(finished, redis_url)
     out = subprocess.run(env_cmd + ["report", finished["name"], *where], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "**inconclusive**" in (finished["dir"] / "report.md").read_text()
+
+
+def test_finished_runs_keep_their_outcome_metrics_and_newest_weights_only(finished):
+    from jet.runs import RunDir, read_metrics
+    from jet.study.execution import RESULT_FILE
+
+    # worker.keep_files is left at its default (final_weights); every run checkpointed at every step
+    ran = [r for r in finished["rows"] if r["status"] in ("completed", "pruned")]
+    assert len(ran) == 5, finished["rows"]
+    for row in ran:
+        run = RunDir(finished["dir"] / "runs", row["run"])
+        kept = json.loads((run.root / RESULT_FILE).read_text())
+        assert kept["result"]["status"] == row["status"] and kept["request"]["run"] == row["run"]
+        assert read_metrics(run.metrics("tiny"))[-1]["step"] == int(row["steps"])  # what the report reads
+        assert not run.trainer_files("tiny").checkpoints.exists(), row["run"]
+        assert len(run.versions("tiny")) == 1, row["run"]  # the newest only
+        assert (run.trainer_files("tiny").ledger).is_dir()
