@@ -260,10 +260,9 @@ class TrainerConfig(Section):
     max_staleness: NonNegativeInt = 1
     """Oldest policy version a trajectory may lag the current one by (versions); 1: one step off (docs/studies.md)."""
     admission: Literal["staleness", "off"] = "staleness"
-    """How `jet up` / `jet feed` start episodes of this model: 'staleness' admits one only while the
-    trajectories admitted and not yet trained or dropped stay within (max_staleness + 1) x batch_groups
-    groups, so no sample is generated only to arrive stale (AReaL's rule); 'off' keeps the task streams
-    topped up however far the trainer is behind."""
+    """How `jet up` / `jet feed` start episodes of this model: 'staleness' admits one only while the trajectories
+    admitted and not yet trained or dropped stay within (max_staleness + 1) x batch_groups groups, so no sample
+    is generated only to arrive stale (AReaL's rule); 'off' keeps the task streams topped up however far behind."""
     publish_every: PositiveInt = 1
     """Publish new weights to the inference workers every N optimiser steps (steps)."""
     checkpoint_every: NonNegativeInt = 50
@@ -279,10 +278,9 @@ class TrainerConfig(Section):
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the KL penalty against the reference model; 0 = no reference model (dimensionless)."""
     objective: Literal["ppo", "decoupled"] = "decoupled"
-    """'decoupled' clips the ratio against the current (proximal) policy and corrects staleness with an
-    importance weight current/behaviour, as `rollout_correction` says (AReaL, arXiv:2505.24298); 'ppo' clips
-    against the behaviour policy, which loses reward at equal steps on stale batches (`jet bench
-    staleness`). Equal on fresh batches."""
+    """'decoupled' clips the ratio against the current (proximal) policy and corrects staleness with an importance
+    weight current/behaviour, as `rollout_correction` says (AReaL, arXiv:2505.24298); 'ppo' clips against the
+    behaviour policy, which loses reward at equal steps on stale batches (`jet bench staleness`). Equal on fresh."""
     rollout_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = \
         "token_truncate"
     """The decoupled objective's weight of each token from rho = current/behaviour (jet.trainer.losses):
@@ -322,6 +320,8 @@ class TrainerConfig(Section):
     """Fewest finished episodes a group needs to be trained on after group_timeout_s (episodes)."""
     group_timeout_s: PositiveFloat = 300.0
     """Wait for a group's missing episodes before training on what arrived (s)."""
+    skip_no_signal: bool = False
+    """Drop groups whose rewards are all equal (no gradient) and wait for others: dynamic sampling (bool)."""
     backend: Literal["torch", "deepspeed"] = "torch"
     """Optimiser backend: 'torch' (one process) or 'deepspeed' (ZeRO, multi-GPU)."""
     zero_stage: Literal[0, 1, 2, 3] = 2

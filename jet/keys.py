@@ -190,6 +190,17 @@ class Keys:
 
 
 # The kinds of stream a run has (the first part of a key after the run's prefix).
+# What became of a trajectory at its trainer (`jet.trainer.groups` decides; `counts` of `Keys.rollout`
+# holds the counts). trained: in an optimiser step. retried: failed, a new attempt was queued. failed:
+# failed for good. stale: older than max_staleness. small_group: its group ended below min_size.
+# no_signal: its group's rewards gave every member an advantage of 0 (dropped with
+# `trainer.skip_no_signal`). late: its group was already done. duplicate: a second trajectory for one
+# member. malformed: unusable (e.g. an agent without a reward).
+OUTCOMES = ("trained", "retried", "failed", "stale", "small_group", "no_signal", "late", "duplicate", "malformed")
+# The outcomes that end an admitted trajectory (the feeder's admission counts them decided): all but
+# retried (another attempt follows), late and duplicate (copies, never admitted on their own).
+ENDING = tuple(o for o in OUTCOMES if o not in ("retried", "late", "duplicate"))
+
 STREAM_KINDS = ("tasks", "gen", "reply", "traj", "shadow", "weights", "dead", "events")
 ALL_RUNS_PATTERN = "jet:{*}:*"  # SCAN pattern over every run's keys
 

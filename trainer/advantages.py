@@ -2,8 +2,8 @@
 
 What it is: `group_advantages(rewards, mode)` for one group's rewards, and
 `member_advantages(rewards, mode)` for a group whose members carry either one
-reward each or one reward per agent (a dict), and `no_signal(rewards)` for a group
-whose advantages are all 0 (the trainer's `rollout/no_signal_frac`). Three estimators:
+reward each or one reward per agent (a dict: each agent its own baseline,
+`jet.trainer.groups.baselines`). Three estimators:
 
 - ``grpo``: (r - mean) / (std + eps), std the sample standard deviation
   (Bessel-corrected, as TRL computes it) (Shao et al. 2024, DeepSeekMath);
@@ -24,10 +24,10 @@ from typing import Sequence
 
 import torch
 
+from jet.trainer.groups import Reward, baselines, reward_value
+
 MODES = ("grpo", "rloo", "no_std")
 EPS = 1e-6
-
-Reward = float | dict[str, float]
 
 
 def group_advantages(rewards: torch.Tensor, mode: str, eps: float = EPS) -> torch.Tensor:
@@ -57,28 +57,7 @@ def member_advantages(rewards: Sequence[Reward], mode: str) -> list[dict[str | N
     """
     out: list[dict[str | None, float]] = [{} for _ in rewards]
     for key, members in baselines(rewards).items():
-        values = torch.tensor([_value(rewards[i], key) for i in members], dtype=torch.float64)
+        values = torch.tensor([reward_value(rewards[i], key) for i in members], dtype=torch.float64)
         for i, a in zip(members, group_advantages(values, mode).tolist()):
             out[i][key] = a
     return out
-
-
-def no_signal(rewards: Sequence[Reward]) -> bool:
-    """True when every member's advantage is 0 in every mode: one member, or each baseline's rewards
-    (the scalar rewards, or each agent's) all equal. Such a group adds nothing to the policy gradient."""
-    return len(rewards) < 2 or all(len({_value(rewards[i], key) for i in members}) == 1
-                                   for key, members in baselines(rewards).items())
-
-
-def baselines(rewards: Sequence[Reward]) -> dict[str | None, list[int]]:
-    """Each baseline's members (indices): the members whose reward has an entry for agent `a`, or all
-    members with a scalar reward (key None)."""
-    out: dict[str | None, list[int]] = {}
-    for i, r in enumerate(rewards):
-        for key in (r.keys() if isinstance(r, dict) else (None,)):
-            out.setdefault(key, []).append(i)
-    return out
-
-
-def _value(reward: Reward, key: str | None) -> float:
-    return float(reward[key]) if isinstance(reward, dict) else float(reward)

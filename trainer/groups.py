@@ -11,7 +11,11 @@ What it is: `Assembler` collects the Trajectories of `traj:<model>` by group
   with what it has, so a lost episode never stalls training.
 
 A done group with at least `min_size` successful fresh members is trainable;
-one with fewer is dropped (counted `small_group`). A member is left out as
+one with fewer is dropped (counted `small_group`). With `skip_no_signal`
+(`trainer.skip_no_signal`: dynamic sampling, as DAPO's), a done group whose
+rewards give every member an advantage of 0 (`no_signal`: all equal, in each
+baseline) is dropped too (counted `no_signal`), so every group of a step
+carries gradient and the step waits for more rollouts instead. A member is left out as
 stale when `version - oldest token version > max_staleness`, checked when it
 arrives and again when its group is handed out (the version moves on), so
 `max_staleness = 0` admits only trajectories generated entirely by the
@@ -25,11 +29,12 @@ dead-lettered by the intake, or evicted from a taken group after a failed
 step) leaves its slot done without an entry (`reject`, `evict`): the group
 completes without waiting for it, and it is counted `poison`.
 
-Every entry gets exactly one outcome (`OUTCOMES`) and is handed back exactly
+Every entry gets exactly one outcome (`jet.keys.OUTCOMES`) and is handed back exactly
 once, either in a taken group (`Group.entries`) or by `pop_decided`; the
 trainer acks it once that decision is checkpointed.
 
-What it is not: I/O. No Redis, no torch; the trainer's link (`jet.trainer.link`)
+What it is not: I/O. No Redis, no torch (`no_signal` and `baselines` are here so, and
+`jet.trainer.advantages` builds on them); the trainer's link (`jet.trainer.link`)
 reads the stream, the loop (`jet.trainer.loop`) decides what a step trains.
 """
 
@@ -37,15 +42,33 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from jet.wire import Trajectory
 
-# trained: in an optimiser step. retried: failed, a new attempt was queued. failed: failed for good.
-# stale: older than max_staleness. small_group: its group ended below min_size. late: its group was
-# already done. duplicate: a second trajectory for one member. malformed: unusable (e.g. an agent
-# without a reward).
-OUTCOMES = ("trained", "retried", "failed", "stale", "small_group", "late", "duplicate", "malformed")
+Reward = float | dict[str, float]  # a member's reward: one number, or one per agent
+
+
+def baselines(rewards: Sequence[Reward]) -> dict[str | None, list[int]]:
+    """Each baseline's members (indices into `rewards`): agent `a`'s baseline is the members whose
+    reward has an entry for `a`; scalar rewards form one baseline together (key None)."""
+    out: dict[str | None, list[int]] = {}
+    for i, r in enumerate(rewards):
+        for key in (r.keys() if isinstance(r, dict) else (None,)):
+            out.setdefault(key, []).append(i)
+    return out
+
+
+def reward_value(reward: Reward, key: str | None) -> float:
+    """A member's reward in baseline `key` (`baselines`)."""
+    return float(reward[key]) if isinstance(reward, dict) else float(reward)
+
+
+def no_signal(rewards: Sequence[Reward]) -> bool:
+    """True when every member's advantage is 0 in every estimator (`jet.trainer.advantages`): one member,
+    or each baseline's rewards all equal. Such a group adds nothing to the policy gradient."""
+    return len(rewards) < 2 or all(len({reward_value(rewards[i], key) for i in members}) == 1
+                                   for key, members in baselines(rewards).items())
 
 
 @dataclass(slots=True)
@@ -54,7 +77,7 @@ class Entry:
 
     entry_id: str
     traj: Trajectory
-    outcome: str = ""  # one of OUTCOMES once decided
+    outcome: str = ""  # one of jet.keys.OUTCOMES once decided
 
     @property
     def msg_id(self) -> str:
@@ -100,14 +123,16 @@ def malformed(traj: Trajectory) -> str | None:
 
 class Assembler:
     def __init__(self, *, min_size: int, timeout_s: float, max_staleness: int, remember: int = 100_000,
-                 position: Callable[[int], int] | None = None):
+                 position: Callable[[int], int] | None = None, skip_no_signal: bool = False):
         self.min_size, self.timeout_s, self.max_staleness = min_size, timeout_s, max_staleness
+        self.skip_no_signal = skip_no_signal  # drop a done group whose advantages would all be 0
         self.position = position  # version -> position along the lineage (None: the version itself)
         self.groups: dict[tuple[str, str], Group] = {}
         self.finished: OrderedDict[tuple[str, str], None] = OrderedDict()  # recently done groups
         self.remember = remember
         self.decided: list[Entry] = []  # decided outside a taken group, not yet popped
-        # outcomes, plus groups_trained (also per task: groups_trained/<task>) / groups_dropped / timeouts
+        # outcomes, plus groups_trained (also per task: groups_trained/<task>) / groups_dropped /
+        # groups_no_signal / timeouts
         self.counts: Counter[str] = Counter()
 
     def add(self, entry: Entry, version: int, now: float) -> None:
@@ -149,17 +174,23 @@ class Assembler:
             self._finish(key)
             if not group.complete:
                 self.counts["timeouts"] += 1
-            if len(group.members) >= self.min_size:
+            if len(group.members) < self.min_size:
+                self._drop(group, "small_group", "groups_dropped")
+            elif self.skip_no_signal and no_signal([e.traj.reward for e in group.members.values()]):
+                self._drop(group, "no_signal", "groups_no_signal")
+            else:
                 self.counts["groups_trained"] += 1
                 self.counts[f"groups_trained/{group.task}"] += 1
                 out.append(group)
-            else:
-                self.counts["groups_dropped"] += 1
-                for e in group.entries:
-                    if not e.outcome:
-                        self._set(e, "small_group")
-                    self.decided.append(e)
         return out
+
+    def _drop(self, group: Group, outcome: str, counter: str) -> None:
+        """A done group the trainer will not train: its undecided entries get `outcome`."""
+        self.counts[counter] += 1
+        for e in group.entries:
+            if not e.outcome:
+                self._set(e, outcome)
+            self.decided.append(e)
 
     def ready(self, now: float) -> dict[str, int]:
         """Done groups per task (complete or timed out): what `take` would hand out, small ones aside."""

@@ -37,6 +37,7 @@ What it is not: a trainer. No torch; the loop decides what to do with groups.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -47,6 +48,8 @@ from jet.trainer.link import Link
 from jet.trainer.groups import Assembler, Entry, Group, staleness
 from jet.trainer.mix import allocate
 from jet.trainer.screen import Limits, Poison, screen
+
+log = logging.getLogger(__name__)
 
 
 class Intake:
@@ -64,6 +67,7 @@ class Intake:
         """`n` trainable groups in the configured task mix; None when `stop()` turned true first."""
         groups: list[Group] = []
         start = self.clock()
+        quiet, warn_at = self.asm.counts["groups_no_signal"], 10 * n  # groups dropped with no signal (skip_no_signal)
         while len(groups) < n:
             if stop():
                 return None
@@ -76,6 +80,11 @@ class Intake:
             for task, k in plan.items():
                 groups += self.asm.take(k, version, now, task=task)
             self._record(self.asm.pop_decided(), step)
+            if self.asm.counts["groups_no_signal"] - quiet >= warn_at:
+                log.warning("step %d: %d groups dropped so far for all-equal rewards (trainer.skip_no_signal), "
+                            "%d of the %d groups it needs found: the model's rewards barely vary",
+                            step + 1, self.asm.counts["groups_no_signal"] - quiet, len(groups), n)
+                warn_at *= 2
             if len(groups) < n and now - self.reported[1] >= 1.0:
                 self.report()
         return groups

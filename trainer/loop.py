@@ -87,11 +87,10 @@ import torch
 from jet import adapters
 from jet.config import AdapterConfig, JetConfig, TrainerConfig, write_resolved
 from jet.runs import RunDir
-from jet.trainer.advantages import no_signal
 from jet.trainer.batch import mean_reward
 from jet.trainer.checkpoint import Checkpoints, die_at
 from jet.trainer.dist import Comm, Plan
-from jet.trainer.groups import Assembler
+from jet.trainer.groups import Assembler, no_signal
 from jet.trainer.guard import guarded, guarded_step, prepare
 from jet.trainer.intake import Intake
 from jet.trainer.lineage import Lineage
@@ -159,7 +158,7 @@ def run(cfg: JetConfig, model: str, url: str | None, stop: Callable[[], bool], *
             write_resolved(cfg, cfg.run_dir)
             link = stack.enter_context(Link.for_trainer(cfg, model, url, stop))
             asm = Assembler(min_size=tc.min_group_size, timeout_s=tc.group_timeout_s, max_staleness=tc.max_staleness,
-                            position=state.lineage.ordinal)
+                            position=state.lineage.ordinal, skip_no_signal=tc.skip_no_signal)
             asm.counts.update(state.counts)
             intake = Intake(link, asm, weights={t.name: t.weight for t in cfg.tasks}, mix_wait_s=tc.mix_wait_s,
                             expected=[t.name for t in cfg.tasks if t.model == model and t.weight > 0],

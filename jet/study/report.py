@@ -229,5 +229,6 @@ def markdown(state, sums, verdicts, table) -> str:
     lines += ["", "## Plots", "", "![curves](curves.png)", "", "![effect sizes](forest.png)", "",
               "![runs and pruning over time](pruning.png)", "",
               "Files: `results.csv` (one row per run), `decisions.jsonl` (every decision with its time), "
-              "`optuna.jsonl` (the arms), `runs/<run>/` (each run's Jet folder: metrics, checkpoints, logs).", ""]
+              "`optuna.jsonl` (the arms), `runs/<run>/` (each run's Jet folder: metrics, evaluations, logs, and "
+              f"once it finished its outcome and what `worker.keep_files: {s.worker.keep_files}` keeps).", ""]
     return "\n".join(lines)

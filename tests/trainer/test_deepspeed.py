@@ -25,7 +25,7 @@ import pytest
 
 from jet.keys import Keys
 from jet.runs import read_metrics as read
-from jet.trainer.advantages import no_signal
+from jet.trainer.groups import no_signal
 from tests.trainer.helpers import MODEL
 from tests.trainer.rollouts import produce_sync, stream_state, synthetic_group, write_config
 

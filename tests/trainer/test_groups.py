@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from jet.trainer.groups import Assembler, Entry, staleness
@@ -114,3 +115,53 @@ def test_max_staleness_zero_admits_only_the_current_version():
 def test_a_sample_without_a_reward_for_its_agent_is_malformed():
     t = traj("g", 0, size=2, reward={"other": 1.0})
     assert add(asm(), t).outcome == "malformed"
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_skip_no_signal_drops_the_groups_whose_advantages_are_all_zero(skip):
+    a = Assembler(min_size=2, timeout_s=10.0, max_staleness=4, skip_no_signal=skip)
+    for i, r in enumerate([1.0, 1.0, 1.0, 1.0]):
+        add(a, traj("flat", i, reward=r))
+    for i, r in enumerate([0.0, 1.0, 0.0, 0.0]):
+        add(a, traj("mixed", i, reward=r))
+    for i, r in enumerate([0.0, 0.0, 0.0]):  # a failed member does not make the rest a signal
+        add(a, traj("flat-failed", i, reward=r))
+    add(a, traj("flat-failed", 3, failed=True))
+    # one agent's rewards differ: that agent's members have an advantage, so the group has a signal
+    for i, r in enumerate([{"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 0.0}]):
+        add(a, traj("agents", i, reward=r))
+    taken = [g.group_id for g in a.take(8, 0, 1.0)]
+    if not skip:
+        assert taken == ["flat", "mixed", "flat-failed", "agents"] and a.pop_decided() == []
+        assert a.counts["groups_no_signal"] == 0
+        return
+    assert taken == ["mixed", "agents"]
+    decided = sorted((e.traj.group_id, e.outcome) for e in a.pop_decided())
+    assert decided == sorted([("flat", "no_signal")] * 4 + [("flat-failed", "no_signal")] * 3
+                             + [("flat-failed", "failed")])
+    assert a.counts["groups_no_signal"] == 2 and a.counts["no_signal"] == 7 and a.counts["groups_trained"] == 2
+
+
+@pytest.mark.slow
+def test_a_trainer_with_skip_no_signal_steps_only_on_groups_with_a_signal(tiny_model, redis_url, keys, tmp_path):
+    """The setting reaches the trainer's assembler: all-equal groups first in the stream are decided
+    `no_signal` (and acked), and the step trains the two groups after them."""
+    import time
+
+    from jet.config import load_file
+    from jet.runs import read_metrics
+    from jet.trainer import loop
+    from tests.trainer.helpers import MODEL
+    from tests.trainer.rollouts import produce_sync, stream_state, write_config
+
+    flat = [traj(f"flat{g}", i, size=2, reward=float(g)) for g in range(2) for i in range(2)]
+    mixed = [traj(f"mixed{g}", i, size=2, reward=float(i)) for g in range(2) for i in range(2)]
+    produce_sync(redis_url, keys, flat + mixed)
+    cfg = load_file(write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=1,
+                                 checkpoint_every=1, skip_no_signal=True))
+    deadline = time.monotonic() + 60
+    assert loop.run(cfg, MODEL, redis_url, lambda: time.monotonic() > deadline).step == 1
+    [row] = read_metrics(cfg.run_dir / "trainer" / MODEL / "metrics.jsonl")
+    assert row["rollout/groups"] == 2 and row["rollout/no_signal_frac"] == 0
+    assert (row["counts/groups_no_signal"], row["counts/no_signal"], row["counts/trained"]) == (2, 4, 4)
+    assert anyio.run(stream_state, redis_url, keys)["pending"] == 0  # the dropped ones are acked too

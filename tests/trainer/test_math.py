@@ -9,7 +9,8 @@ import torch
 
 from jet.config import TrainerConfig
 from jet.timeline import Sample
-from jet.trainer.advantages import group_advantages, member_advantages, no_signal
+from jet.trainer.advantages import group_advantages, member_advantages
+from jet.trainer.groups import no_signal
 from jet.trainer.batch import build_step
 from jet.trainer.losses import k3_kl, ppo_loss
 from jet.trainer.optim import lr_at

@@ -42,7 +42,7 @@ import click
 
 from jet.options import config_options, load_config, redis_url_option, resolve_url, run_dir_option
 from jet.config import JetConfig
-from jet.keys import GROUP_ENV, Keys
+from jet.keys import ENDING, GROUP_ENV, Keys
 from jet.wire import Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -310,10 +310,9 @@ class Feeder:
                 f"({self.failed} failed); reward mean (last {len(recent)}) {mean}{trained}")
 
 
-# Outcomes that end an admitted trajectory: the trainer's (`jet.trainer.groups.OUTCOMES` and `poison`; a
-# retried attempt is followed by another, and duplicates and late copies were never admitted on their own)
-# and the feeder's own `dead` (dead-lettered before any trainer outcome).
-FINAL = ("trained", "failed", "stale", "small_group", "malformed", "poison", "dead")
+# Outcomes that end an admitted trajectory: the trainer's (`jet.keys.ENDING`, and `poison`: a
+# member the trainer dead-lettered) and the feeder's own `dead` (dead-lettered before any trainer outcome).
+FINAL = (*ENDING, "poison", "dead")
 
 
 def decided(counts: dict[str, int]) -> int:

@@ -43,7 +43,8 @@ def test_allot_budgets_are_per_model_and_a_weight_zero_task_comes_last():
 
 def test_decided_counts_only_final_outcomes():
     assert decided({"trained": 10, "stale": 2, "small_group": 3, "failed": 1, "malformed": 1, "poison": 1,
-                    "retried": 5, "duplicate": 4, "late": 2, "groups_trained": 7}) == 18
+                    "no_signal": 8, "retried": 5, "duplicate": 4, "late": 2, "groups_trained": 7,
+                    "groups_no_signal": 1}) == 26
 
 
 def config(tmp_path, **trainer):
