@@ -262,7 +262,11 @@ async def execute(req: RunRequest, r, url: str, keys, study_dir: Path, worker: s
 def _settle_files(run_dir: Path, req: RunRequest, result: RunResult, new: bool) -> None:
     if new:
         record(run_dir, req, result)
-    freed = tidy(run_dir, req.keep_files)
+    try:
+        freed = tidy(run_dir, req.keep_files)
+    except OSError as e:  # the outcome stands: a folder left untidy costs disk, not the result
+        log.warning("run %s: could not tidy its folder (%s); its files stay", req.run, e)
+        return
     if freed:
         log.info("run %s: deleted %.1f GB it no longer needs (worker.keep_files: %s)", req.run, freed / 1e9,
                  req.keep_files)

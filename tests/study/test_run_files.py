@@ -115,3 +115,18 @@ def test_a_request_carries_its_keep_files_and_refuses_an_unknown_one():
     fields = request(keep_files="everything").to_fields()
     with pytest.raises(CodecError, match="keep_files.*final_weights, metrics, all.*everything"):
         RunRequest.from_payload(codec.decode(fields))
+
+
+def test_a_tidy_that_fails_leaves_the_outcome_standing(tmp_path):
+    req = request()
+    run_dir = compose(req, tmp_path).run_dir
+    a_finished_run(run_dir)
+    record(run_dir, req, outcome(req))
+    # checkpoints kept on another disk through a symlink: rmtree refuses a symlink (OSError)
+    checkpoints = run_dir / "trainer/policy/checkpoints"
+    elsewhere = tmp_path / "other-disk"
+    checkpoints.rename(elsewhere)
+    checkpoints.symlink_to(elsewhere, target_is_directory=True)
+    got = anyio.run(execute, req, None, "redis://nowhere:1", None, tmp_path, "w-1", 2, anyio.Event())
+    assert isinstance(got, Finished) and got.result == outcome(req)
+    assert checkpoints.is_symlink() and any(elsewhere.rglob("*.safetensors"))  # nothing lost, nothing raised
