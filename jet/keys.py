@@ -189,7 +189,6 @@ class Keys:
         return self.short(key).split(":", 1)[0]
 
 
-# The kinds of stream a run has (the first part of a key after the run's prefix).
 # What became of a trajectory at its trainer (`jet.trainer.groups` decides; `counts` of `Keys.rollout`
 # holds the counts). trained: in an optimiser step. retried: failed, a new attempt was queued. failed:
 # failed for good. stale: older than max_staleness. small_group: its group ended below min_size.
@@ -201,6 +200,7 @@ OUTCOMES = ("trained", "retried", "failed", "stale", "small_group", "no_signal",
 # retried (another attempt follows), late and duplicate (copies, never admitted on their own).
 ENDING = tuple(o for o in OUTCOMES if o not in ("retried", "late", "duplicate"))
 
+# The kinds of stream a run has (the first part of a key after the run's prefix).
 STREAM_KINDS = ("tasks", "gen", "reply", "traj", "shadow", "weights", "dead", "events")
 ALL_RUNS_PATTERN = "jet:{*}:*"  # SCAN pattern over every run's keys
 

@@ -175,22 +175,22 @@ class Assembler:
             if not group.complete:
                 self.counts["timeouts"] += 1
             if len(group.members) < self.min_size:
-                self._drop(group, "small_group", "groups_dropped")
+                self.decided += self._drop(group, "small_group", "groups_dropped")
             elif self.skip_no_signal and no_signal([e.traj.reward for e in group.members.values()]):
-                self._drop(group, "no_signal", "groups_no_signal")
+                self.decided += self._drop(group, "no_signal", "groups_no_signal")
             else:
                 self.counts["groups_trained"] += 1
                 self.counts[f"groups_trained/{group.task}"] += 1
                 out.append(group)
         return out
 
-    def _drop(self, group: Group, outcome: str, counter: str) -> None:
-        """A done group the trainer will not train: its undecided entries get `outcome`."""
+    def _drop(self, group: Group, outcome: str, counter: str) -> list[Entry]:
+        """A group the trainer will not train: its undecided entries get `outcome`; returns all its entries."""
         self.counts[counter] += 1
         for e in group.entries:
             if not e.outcome:
                 self._set(e, outcome)
-            self.decided.append(e)
+        return list(group.entries)
 
     def ready(self, now: float) -> dict[str, int]:
         """Done groups per task (complete or timed out): what `take` would hand out, small ones aside."""
@@ -233,11 +233,7 @@ class Assembler:
             return []
         self.counts["groups_trained"] -= 1
         self.counts[f"groups_trained/{group.task}"] -= 1
-        self.counts["groups_dropped"] += 1
-        for e in group.entries:
-            if not e.outcome:
-                self._set(e, "small_group")
-        return list(group.entries)
+        return self._drop(group, "small_group", "groups_dropped")
 
     def pop_decided(self) -> list[Entry]:
         """Entries decided outside a taken group since the last call."""
