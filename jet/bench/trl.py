@@ -45,9 +45,10 @@ from pathlib import Path
 import click
 
 from jet.bench import emit, progress, write_json
-from jet.config import TrainerConfig
+from jet.config import TrainerConfig, load
+from jet.errors import ConfigError
 from jet.stats import mean_interval, rows_paired
-from jet.bench.trl_arms import ARMS, LORA_LR_FACTOR, MAPPING, Lora, Shared, run_arm, write_rows
+from jet.bench.trl_arms import ARMS, LORA_LR_FACTOR, MAPPING, Lora, Shared, jet_config, run_arm, write_rows
 
 def order_of(arms: list[str], repeat: int) -> list[str]:
     """Repeat 0 runs the arms in order, repeat 1 reversed, and so on."""
@@ -280,6 +281,9 @@ def time_to_accuracy_lines(report: dict) -> list[str]:
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--max-staleness", type=click.IntRange(0), default=None,
               help="Jet's trainer.max_staleness (default: Jet's own default, as a user gets it; TRL is on-policy).")
+@click.option("--jet-set", "jet_set", multiple=True, metavar="KEY=VALUE",
+              help="A Jet-only config override for the Jet arms, e.g. trainer.skip_no_signal=true (not a setting "
+                   "both sides share); repeatable, recorded in the report.")
 @click.option("--jet-threads", type=click.IntRange(1), default=None,
               help="OMP_NUM_THREADS of each of jet up's two torch processes (default: half the cores each; TRL's one "
                    "process gets all of them).")
@@ -296,8 +300,8 @@ def time_to_accuracy_lines(report: dict) -> list[str]:
                    "(its run.json), run only the missing ones; evaluations already made are reused either way.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, eval_n, group_size, batch_groups, lr,
-        lora_r, lora_alpha, lora_lr, max_tokens, temperature, max_staleness, jet_threads, trl_python, trl_generation,
-        trl_micro_batches, out_dir, resume, as_json) -> None:
+        lora_r, lora_alpha, lora_lr, max_tokens, temperature, max_staleness, jet_set, jet_threads, trl_python,
+        trl_generation, trl_micro_batches, out_dir, resume, as_json) -> None:
     """Jet against TRL's GRPOTrainer: same model, task, settings and wall-clock budget, repeated on paired seeds."""
     import dataclasses
     import tempfile
@@ -322,6 +326,12 @@ def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, e
                max_tokens=max_tokens or held.max_tokens, max_turns=held.turns,
                seed=seed, device=device)
     lora = Lora(r=lora_r, alpha=lora_alpha, lr=lora_lr if lora_lr is not None else LORA_LR_FACTOR * lr)
+    for arm in chosen:  # a bad --jet-set fails here, naming its key, not in the first run's jet up
+        if arm != "trl":
+            try:
+                load(jet_config(s, arm, model, out / "rows.jsonl", out, max_staleness, lora, jet_set))
+            except ConfigError as e:
+                raise click.BadParameter(str(e), param_hint="--jet-set") from None
     from jet.cli.up import cpu_count
 
     cores = cpu_count()  # the cores this process may use, as jet up counts them for its thread shares
@@ -341,7 +351,7 @@ def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, e
             if run is None:
                 run = run_arm(arm, sr, model, rows, folder, budget_s, threads=threads, max_staleness=max_staleness,
                               trl_python=python, generation=trl_generation, say=say, lora=lora, marks_s=marks,
-                              micro_batches=trl_micro_batches)
+                              micro_batches=trl_micro_batches, jet_set=jet_set)
                 write_json(folder / RUN_FILE, run)
             else:
                 say(f"{arm} (repeat {repeat + 1}): kept from {folder / RUN_FILE}")
@@ -352,6 +362,7 @@ def cli(task, arms, repeats, model_spec, budget_s, mark_every_s, device, seed, e
     report = {"model": model, "task": task, "shared": s.as_dict(), "mapping": MAPPING, "budget_s": budget_s,
               "repeats": repeats, "seeds": [seed + r for r in range(repeats)], "marks_s": marks, "arms": chosen,
               "max_staleness": TrainerConfig().max_staleness if max_staleness is None else max_staleness,
+              "jet_set": list(jet_set),
               "threads": threads,
               "lora": lora.as_dict() if "jet-lora" in chosen else None,
               "trl_generation": trl_generation, "versions": versions, "runs": runs, "base": base,

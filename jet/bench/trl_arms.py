@@ -118,16 +118,17 @@ def write_rows(s: Shared, path: Path, n: int = 20_000) -> Path:
 
 
 def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_staleness: int | None,
-               lora: Lora = Lora()) -> dict:
+               lora: Lora = Lora(), jet_set: tuple[str, ...] = ()) -> dict:
     """The `jet up` config of a Jet arm (jet/config.py keys), from the shared settings only; jet-lora's model
-    also trains an adapter at its own lr (`lora`, the model's `trainer` override: the shared section stays)."""
+    also trains an adapter at its own lr (`lora`, the model's `trainer` override: the shared section stays).
+    `jet_set`: Jet-only overrides (`trainer.skip_no_signal=true`), checked by `check_jet_set`."""
     G, B = s.group_size, s.batch_groups
     flat = arm == "jet-flat"
     policy = {"name": MODEL, "path": model, "device": s.device, "max_inflight": G * B}
     if arm == "jet-lora":
         policy.update(adapter={"r": lora.r, "alpha": lora.alpha, "target_modules": "all-linear"},
                       trainer={"lr": lora.lr_for(s)})
-    return {
+    cfg = {
         "run": RUN, "runs_dir": str(out / "runs"),
         "models": [policy],
         "tasks": [{"name": s.task, "workflow": f"jet.tasks.{s.task}:workflow", "dataset": str(rows),
@@ -142,6 +143,26 @@ def jet_config(s: Shared, arm: str, model: str, rows: Path, out: Path, max_stale
                     "keep_weights": 2, "micro_batch_tokens": 4096, "loggers": ["jsonl"],
                     "group_timeout_s": 1200, "min_group_size": G},
     }
+    from jet.config import JetConfig
+    from jet.configlib import apply_overrides
+
+    return apply_overrides(JetConfig, cfg, check_jet_set(jet_set))
+
+
+def check_jet_set(jet_set: tuple[str, ...]) -> tuple[str, ...]:
+    """`jet_set`, refused where a key is one both sides share (`MAPPING`: for Jet alone, the sides would no
+    longer train with the same settings) or `trainer.max_staleness` (its own option, which the report records)."""
+    from jet.configlib import invalid, parse_override
+
+    shared = {tuple(parse_override(f"{key}=0")[0]): field for field, key, _ in MAPPING if not key.startswith("rows")}
+    for text in jet_set:
+        path = tuple(parse_override(text)[0])
+        if path in shared:
+            raise invalid(f"--jet-set {text}", f"both sides share this setting ({shared[path]}); set for Jet "
+                          "alone, the sides would no longer train with the same settings")
+        if path == ("trainer", "max_staleness"):
+            raise invalid(f"--jet-set {text}", "use --max-staleness, which the report records")
+    return jet_set
 
 
 # ---- processes
@@ -321,24 +342,27 @@ def tail(log: Path, n: int = 15) -> str:
 
 def run_arm(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, *, threads: dict,
             max_staleness: int | None, trl_python: str | None, generation: str, say, lora: Lora = Lora(),
-            marks_s: list[float] = (), micro_batches: int | None = None) -> dict:
-    """One run of `arm`; its weights kept at each of `marks_s` (seconds since its launch) for evaluation later."""
+            marks_s: list[float] = (), micro_batches: int | None = None, jet_set: tuple[str, ...] = ()) -> dict:
+    """One run of `arm`; its weights kept at each of `marks_s` (seconds since its launch) for evaluation later;
+    `jet_set` (Jet-only overrides) applies to the Jet arms."""
     if arm == "trl":
         return run_trl(s, model, rows, out, budget_s, threads["trl"], trl_python, generation, say, list(marks_s),
                        micro_batches)
     return run_jet(arm, s, model, rows, out, budget_s, threads["jet_per_process"], max_staleness, say, lora,
-                   list(marks_s))
+                   list(marks_s), jet_set)
 
 
 def run_jet(arm: str, s: Shared, model: str, rows: Path, out: Path, budget_s: float, threads: int,
-            max_staleness: int | None, say, lora: Lora = Lora(), marks_s: list[float] = ()) -> dict:
+            max_staleness: int | None, say, lora: Lora = Lora(), marks_s: list[float] = (),
+            jet_set: tuple[str, ...] = ()) -> dict:
     import yaml
 
     folder = out
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     cfg = folder / "config.yaml"
-    cfg.write_text(yaml.safe_dump(jet_config(s, arm, model, rows, folder, max_staleness, lora), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(jet_config(s, arm, model, rows, folder, max_staleness, lora, jet_set),
+                                  sort_keys=False))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "JET_LOG_LEVEL": "INFO"}
     env.pop("JET_REDIS_URL", None)
     argv = [sys.executable, "-m", "jet.cli.main", "up", "--config", str(cfg), "--no-live", "--no-dash",

@@ -6,11 +6,12 @@ jet-lora arm's config, the summary, table and plot of four arms' (made-up) runs,
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
 
-from jet.bench.trl import order_of, plot, summarise, table
+from jet.bench.trl import cli, order_of, plot, summarise, table
 from jet.bench.trl_arms import MODEL, Lora, Shared, jet_config, tree_rss
 
 
@@ -40,6 +41,27 @@ def test_the_jet_lora_arm_is_the_jet_arm_training_an_adapter_at_its_own_lr(tmp_p
     default = load(jet_config(s, "jet-lora", "model", rows, tmp_path, 1))  # Lora(): r 16, alpha 32, 10x the lr
     assert (default.models[0].adapter.r, default.models[0].adapter.alpha) == (16, 32.0)
     assert default.trainer_of(MODEL).lr == pytest.approx(3e-4)
+
+
+def test_jet_set_overrides_jet_only_settings_and_refuses_shared_ones(tmp_path):
+    from jet.config import load
+    from jet.errors import ConfigError
+
+    s, rows = Shared(lr=3e-5), tmp_path / "rows.jsonl"
+    cfg = load(jet_config(s, "jet", "model", rows, tmp_path, 1, jet_set=("trainer.skip_no_signal=true",)))
+    assert cfg.trainer.skip_no_signal is True and cfg.trainer.lr == 3e-5 and cfg.trainer.max_staleness == 1
+    assert load(jet_config(s, "jet", "model", rows, tmp_path, 1)).trainer.skip_no_signal is False
+    for shared in ("trainer.lr=1e-3", "tasks.0.group_size=4", "trainer.max_staleness=2"):
+        with pytest.raises(ConfigError, match=re.escape(f"--jet-set {shared}")):
+            jet_config(s, "jet", "model", rows, tmp_path, 1, jet_set=(shared,))
+    # a typo or a bad value stops the bench before its first run, naming the key
+    (tmp_path / "config.json").write_text("{}")  # a model folder as --model checks it; never loaded
+    for bad, named in (("trainer.skip_no_signl=true", "skip_no_signl"), ("trainer.skip_no_signal=maybe",
+                                                                          "skip_no_signal")):
+        result = CliRunner().invoke(cli, ["--arms", "jet", "--model", str(tmp_path), "--jet-set", bad,
+                                          "--out", str(tmp_path / "out")])
+        assert result.exit_code == 2 and named in result.output and "--jet-set" in result.output, result.output
+        assert not list((tmp_path / "out").glob("r1-*")), "no run started"
 
 
 def fake_run(arm: str, repeat: int, position: int, rate: float, results: list[int]) -> dict:
@@ -123,7 +145,6 @@ def test_bench_trl_jet_arms_on_the_multi_turn_task(tmp_path):
     """Both Jet arms on tally with the random tiny model: every step trains whole groups, the default arm
     forwards fewer tokens per trajectory than one sample per call (merging and group trees) and its
     engine prefills fewer than the prompts hold (prefix reuse); held-out evals and paired tests come out."""
-    from jet.bench.trl import cli
     from jet.models import init_model
 
     model = init_model(tmp_path / "tiny", max_position=1024, seed=0)
