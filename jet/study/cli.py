@@ -1,4 +1,4 @@
-"""`jet study run|resume|status|report|stop|worker`: the study commands.
+"""`jet study run|resume|status|report|stop|tidy|worker`: the study commands.
 
 `jet study run FILE` carries a study to its end on this machine: it starts
 the embedded Redis in the study folder (unless `--redis-url`), `--workers N`
@@ -6,8 +6,9 @@ local study workers (default 2; 0 when they run elsewhere), and the runner,
 and leaves report.md, results.csv, decisions.jsonl and the plots in
 `<studies_dir>/<name>/`. Ctrl-C, SIGTERM or `jet study stop NAME` pauses it
 (runs drain and checkpoint); `jet study resume NAME` (or `run` again)
-continues where it was. The resolved study is kept as `study.json` in the
-folder, so `resume NAME` needs no file.
+continues where it was. `jet study tidy NAME` deletes what finished runs no
+longer need (a worker does it as each run finishes). The resolved study is
+kept as `study.json` in the folder, so `resume NAME` needs no file.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import click
 import orjson
 
 from jet.options import LazyGroup
+from jet.study.messages import KEEP_FILES
 
 
 def _load(target: str, overrides: tuple[str, ...], studies_dir: str):
@@ -203,6 +205,38 @@ def report_cmd(target, redis_url, studies_dir) -> None:
 
     with study_server(folder, redis_url) as url:
         click.echo(run_jet(draw, url))
+
+
+@study.command("tidy")
+@click.argument("target")
+@click.option("--keep", type=click.Choice(KEEP_FILES), default=None,
+              help="What each finished run's folder keeps (default: the study's worker.keep_files).")
+@redis_url_option
+@studies_dir_option
+def tidy_cmd(target, keep, redis_url, studies_dir) -> None:
+    """Delete what the study's finished runs no longer need (checkpoints, older weight versions): for
+    studies whose runs finished before their workers tidied, or to keep less now. Running runs stay."""
+    from jet.options import run_jet
+    from jet.study.execution import tidy_finished
+    from jet.study.state import StudyState
+
+    s, folder = _open_runner(target, redis_url, studies_dir)
+
+    async def finished(url: str):
+        state = StudyState(s, url, folder)
+        await state.load()
+        await state.r.aclose()
+        return state.launched, state.results
+
+    with study_server(folder, redis_url) as url:
+        launched, results = run_jet(finished, url)
+    freed = tidy_finished(folder, launched, results, keep)
+    for run, n in freed.items():
+        click.echo(f"{run}: deleted {n / 1e9:.2f} GB")
+    running = len([r for r in launched if r not in results])
+    kept = f"keeping {keep}" if keep else "each by the worker.keep_files it ran with"
+    click.echo(f"study {s.name}: {len(freed)} finished runs tidied ({kept}), {sum(freed.values()) / 1e9:.2f} GB "
+               "deleted" + (f"; {running} unfinished runs left as they are" if running else ""))
 
 
 @study.command("status")

@@ -223,6 +223,24 @@ def tidy(run_dir: Path, keep: str) -> int:
     return freed
 
 
+def tidy_finished(study_dir: Path, launched: dict[str, RunRequest], results: dict[str, RunResult],
+                  keep: str | None = None) -> dict[str, int]:
+    """`jet study tidy`: what a study worker does once a run finishes, for every finished run of a study
+    (those that finished before their worker tidied, or to keep less now): keep its outcome in its folder
+    (`record`, unless kept already), then `tidy` it by `keep` (default: the run's own `keep_files`). Runs
+    without a result are not touched. Returns the bytes freed, by run."""
+    freed = {}
+    for run, result in sorted(results.items()):
+        req = launched.get(run)
+        run_dir = compose(req, study_dir).run_dir if req else None
+        if run_dir is None or not run_dir.is_dir():  # stopped before it started: nothing was written
+            continue
+        if recorded(run_dir, req) is None:
+            record(run_dir, req, result)
+        freed[run] = tidy(run_dir, keep or req.keep_files)
+    return freed
+
+
 def run_env(req: RunRequest) -> dict[str, str]:
     """The run's environment: ours and the study's, minus the markers of our own supervisor (jet up's
     roles would take it for theirs and drain at once)."""

@@ -130,3 +130,48 @@ def test_a_tidy_that_fails_leaves_the_outcome_standing(tmp_path):
     got = anyio.run(execute, req, None, "redis://nowhere:1", None, tmp_path, "w-1", 2, anyio.Event())
     assert isinstance(got, Finished) and got.result == outcome(req)
     assert checkpoints.is_symlink() and any(elsewhere.rglob("*.safetensors"))  # nothing lost, nothing raised
+
+
+def test_jet_study_tidy_tidies_the_finished_runs_of_a_study(tmp_path, embedded, tiny_model):
+    """A study whose runs finished before their worker tidied (or kept `all`): `jet study tidy` keeps each
+    finished run's outcome in its folder and tidies it; a run still running is left as it is."""
+    from click.testing import CliRunner
+
+    from jet.keys import Keys
+    from jet.queues.connect import connect
+    from jet.study import ledger
+    from jet.study.cli import study
+    from tests.study.conftest import base_config, write_study
+
+    base_config(tmp_path, tiny_model)
+    path = write_study(tmp_path, {"name": "old", "space": {"trainer.lr": {"choices": [1e-3]}}, "seeds": [0, 1],
+                                  "metric": {"name": "train/lr", "window": 1}})
+    study_dir = tmp_path / "studies" / "old"
+    done, running = (request(study="old", run=f"old-t0-s{s}", seed=s, keep_files="all") for s in (0, 1))
+    folders = {req.run: compose(req, study_dir).run_dir for req in (done, running)}
+    for folder in folders.values():
+        a_finished_run(folder)
+    before = survivors(folders[done.run])
+
+    async def ledger_of_a_finished_and_a_running_run():
+        r, keys = await connect(embedded.url), Keys.for_study("old")
+        for req in (done, running):
+            await ledger.launch(r, embedded.url, keys, req)
+        await r.xadd(keys.study_results, outcome(done).to_fields())
+        await r.aclose()
+
+    anyio.run(ledger_of_a_finished_and_a_running_run)
+    args = ["tidy", str(path), "--redis-url", embedded.url]
+    result = CliRunner().invoke(study, args)
+    assert result.exit_code == 0, result.output
+    assert "1 finished runs tidied (each by the worker.keep_files it ran with)" in result.output
+    assert "1 unfinished runs left as they are" in result.output
+    assert recorded(folders[done.run], done) == outcome(done)  # kept before anything is deleted
+    assert survivors(folders[done.run]) == before | {RESULT_FILE}  # its own keep_files: all
+    result = CliRunner().invoke(study, [*args, "--keep", "final_weights"])
+    assert result.exit_code == 0 and "old-t0-s0: deleted 0.00 GB" in result.output, result.output
+    assert survivors(folders[done.run]) == {f for f in before if "checkpoints" not in f and "v15" not in f} | {
+        RESULT_FILE}
+    assert survivors(folders[running.run]) == before, "a run without a result is not touched"
+    result = CliRunner().invoke(study, [*args, "--keep", "everything"])
+    assert result.exit_code == 2 and "everything" in result.output
