@@ -217,9 +217,12 @@ def tidy(run_dir: Path, keep: str) -> int:
         doomed += [rd.weight_version(model, v) for v in (versions if keep == "metrics" else versions[:-1])]
     freed = 0
     for path in doomed:
-        if path.is_dir():
-            freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        try:  # a file gone meanwhile (another tidy of the same run: `jet study tidy` beside its worker) is fine
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
             shutil.rmtree(path)
+        except FileNotFoundError:
+            continue
+        freed += size
     return freed
 
 
