@@ -195,6 +195,8 @@ def table(report: dict):
             ci = f", 95% CI {v['ci95'][0]:.2f}-{v['ci95'][1]:.2f}" if v["ci95"] else ""
             lines.append(f"{pair} {key}: {v['mean']:.2f}x{ci} (per repeat {[round(x, 2) for x in v['per_repeat']]})")
     lines += time_to_accuracy_lines(report)
+    if report.get("jet_set"):
+        lines.append(f"Jet arms' own settings (--jet-set): {', '.join(report['jet_set'])}")
     lines.append(f"base held-out: {report['base']['accuracy']:.3f} (95% CI {report['base']['ci95'][0]:.3f}-"
                  f"{report['base']['ci95'][1]:.3f}) on {report['base']['n']} rows")
     lines += [f"paired {k}: {v}" for k, v in summary["paired"].items()]

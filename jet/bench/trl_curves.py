@@ -177,10 +177,12 @@ def plot(report: dict, path: Path) -> None:
         c = run.get("curve") or []
         ax.step([p["t"] for p in c], [p["accuracy"] for p in c], where="post", color=colours.get(run["arm"]),
                 alpha=0.25, lw=0.8)
+    jet_set = ", ".join(report.get("jet_set") or [])  # the Jet arms' own overrides, said in their label
     for arm, pts in report["time_to_accuracy"]["bands"].items():
         ts = [p["t"] for p in pts]
+        own = f" ({jet_set})" if jet_set and arm != "trl" else ""
         ax.step(ts, [p["mean"] for p in pts], where="post", color=colours.get(arm), lw=2.2,
-                label=f"{arm} (mean of {pts[0]['n'] if pts else 0})")
+                label=f"{arm}{own} (mean of {pts[0]['n'] if pts else 0})")
         if all(p["ci95"] for p in pts):
             ax.fill_between(ts, [p["ci95"][0] for p in pts], [p["ci95"][1] for p in pts], step="post",
                             color=colours.get(arm), alpha=0.15)
