@@ -111,8 +111,9 @@ UNMATCHED = {  # setting: (Jet, TRL), printed as the difference between the side
 def summarise(runs: list[dict], base: dict, arms: list[str]) -> dict:
     """Per-arm means, ratios per repeat with intervals, paired held-out tests (per row: mean over repeats)."""
     by_arm = {a: [r for r in runs if r["arm"] == a] for a in arms}
-    keys = ("trajectories_per_min", "steady_trajectories_per_min", "completion_tokens_per_trajectory",
-            "forward_tokens_per_trajectory", "prefill_tokens_per_trajectory", "peak_rss_mib", "load_mean")
+    keys = ("steps", "first_step_s", "trajectories_per_min", "steady_trajectories_per_min",
+            "completion_tokens_per_trajectory", "forward_tokens_per_trajectory", "prefill_tokens_per_trajectory",
+            "peak_rss_mib", "load_mean")
     arm_means = {a: {k: mean_interval([r[k] for r in rs if r.get(k) is not None]) for k in keys}
                  for a, rs in by_arm.items()}
     for a, rs in by_arm.items():
@@ -181,7 +182,8 @@ def table(report: dict):
     def fmt(v, f="{:.1f}"):
         return "-" if v is None or v.get("mean") is None else f.format(v["mean"])
 
-    for label, key, f in [("trajectories/min", "trajectories_per_min", "{:.1f}"),
+    for label, key, f in [("optimiser steps", "steps", "{:.1f}"), ("first step (s after launch)", "first_step_s", "{:.0f}"),
+                          ("trajectories/min", "trajectories_per_min", "{:.1f}"),
                           ("after the first step", "steady_trajectories_per_min", "{:.1f}"),
                           ("completion tokens/trajectory", "completion_tokens_per_trajectory", "{:.1f}"),
                           ("trainer forward tokens/trajectory", "forward_tokens_per_trajectory", "{:.0f}"),
