@@ -2,7 +2,8 @@
 the Responses API and on chat completions ("lookup"), plain httpx ("spell"), each its own task of one run on
 the random tiny model: real role processes (inference, env worker with its embedded gateway, trainer), a few
 optimiser steps, every task's trajectories holding tokens recorded through the gateway and trained on, a
-finite loss at every step, and published weights that differ from the initial model's in every tensor.
+finite loss at every step, and published weights that differ from the initial model's in every tensor
+(where a step had a gradient).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def test_jet_up_trains_every_framework_task(redis_url, keys, tmp_path, long_mode
             assert all(len(s.tokens) > 0 and sum(s.mask) > 0 for s in t.samples)
         assert sum(m.get(f"train/{name}/groups", 0) for m in metrics[-1:]) > 0, (name, metrics[-1])
     # Trained: every step has a finite loss, and the weights the trainer published last (one version per
-    # step) differ from the initial model's in every tensor.
+    # step) differ from the initial model's in every tensor, where a step had a gradient. On the random
+    # model a group of 2 often scores alike (both 0), so now and then every group of both steps carries
+    # no signal (`rollout/no_signal_frac` 1, `train/grad_norm` 0): then the weights must not move at all.
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1)), metrics
     assert all(math.isfinite(m["train/loss"]) for m in steps), steps
@@ -74,7 +77,12 @@ def test_jet_up_trains_every_framework_task(redis_url, keys, tmp_path, long_mode
     before = load_file(long_model / "model.safetensors")
     after = load_file(Path(announced[-1].path) / "model.safetensors")
     assert set(after) <= set(before) and after, (sorted(before), sorted(after))
-    assert [n for n in after if torch.equal(after[n], before[n])] == [], "tensors the training did not change"
+    unchanged = [n for n in after if torch.equal(after[n], before[n])]
+    signal = [(m["step"], m["rollout/no_signal_frac"], m["train/grad_norm"]) for m in steps]
+    if any(grad > 0 for _, _, grad in signal):
+        assert unchanged == [], ("tensors the training did not change", unchanged, signal)
+    else:
+        assert all(frac == 1 for _, frac, _ in signal) and set(unchanged) == set(after), (unchanged, signal)
 
 
 async def weight_versions(url, keys) -> list[WeightVersion]:
