@@ -68,7 +68,8 @@ def test_jet_up_trains_every_framework_task(redis_url, keys, tmp_path, long_mode
     # Trained: every step has a finite loss, and the weights the trainer published last (one version per
     # step) differ from the initial model's in every tensor, where a step had a gradient. On the random
     # model a group of 2 often scores alike (both 0), so now and then every group of both steps carries
-    # no signal (`rollout/no_signal_frac` 1, `train/grad_norm` 0): then the weights must not move at all.
+    # no signal (`rollout/no_signal_frac` 1, `train/grad_norm` 0): with no gradient ever, the optimiser
+    # has no momentum either, so the weights must not move at all.
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1)), metrics
     assert all(math.isfinite(m["train/loss"]) for m in steps), steps
