@@ -53,6 +53,27 @@ class StepInputs:
         adv = self.advantages[idx].masked_fill(~valid, 0.0)
         return adv, self.weights[idx].masked_fill(~valid, 0.0)
 
+    def with_gradient(self, whole_episodes: bool = False) -> tuple[list[Sample], list[int]]:
+        """The samples that have an entry with a nonzero advantage, each with its first entry's `seq`
+        number (`pack(..., offsets=)`). Without a KL term they are the only ones whose loss has a
+        gradient: a zero advantage zeroes the policy-gradient term of its tokens and that term's
+        gradient, exactly (a group whose rewards are all equal: `rollout/no_signal_frac`).
+        `whole_episodes` (a sequence-level rollout correction, whose weight is a statistic of all of an
+        episode's tokens) also keeps every sample of an episode that has such an entry (an agent's
+        samples at advantage 0 beside another agent's of the same episode). With none, the first sample
+        alone, so the step still backpropagates: a zero gradient is not no gradient to the optimiser
+        (AdamW's moments still move, and its step count)."""
+        firsts = [0]
+        for s in self.samples:
+            firsts.append(firsts[-1] + len(s.episode_ids))
+        live = [bool((self.advantages[a:b] != 0).any()) for a, b in zip(firsts, firsts[1:])]
+        if whole_episodes:
+            episodes = {e for s, on in zip(self.samples, live) if on for e in s.episode_ids}
+            live = [on or any(e in episodes for e in s.episode_ids) for s, on in zip(self.samples, live)]
+        if self.samples and not any(live):
+            return self.samples[:1], [0]
+        return [s for s, on in zip(self.samples, live) if on], [f for f, on in zip(firsts, live) if on]
+
 
 def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_agg: str,
                prefix_trees: bool) -> StepInputs:

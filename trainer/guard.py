@@ -35,7 +35,7 @@ from jet.trainer.groups import Group
 from jet.trainer.intake import Intake
 from jet.trainer.packing import Row, pack
 from jet.trainer.screen import isolate
-from jet.trainer.step import StepAbandoned, StepStats, micro_batch
+from jet.trainer.step import StepAbandoned, StepStats, micro_batch, sequence_level
 from jet.wire import Trajectory
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def prepare(trajectories: Sequence[Sequence[Trajectory]], tc: TrainerConfig) -> tuple[StepInputs, list[Row]]:
-    """A step's inputs (advantages, weights) and packed rows from groups of trajectories."""
+def prepare(trajectories: Sequence[Sequence[Trajectory]], tc: TrainerConfig, *,
+            every_sample: bool = False) -> tuple[StepInputs, list[Row]]:
+    """A step's inputs (advantages, weights) and packed rows from groups of trajectories. The rows hold
+    only the samples whose loss has a gradient (`StepInputs.with_gradient`) unless KL is on (its term
+    has a gradient at any advantage) or `every_sample` (a probe, which must run each sample's tokens)."""
     inputs = build_step(trajectories, advantage=tc.advantage, loss_agg=tc.loss_agg, prefix_trees=tc.prefix_trees)
-    return inputs, pack(inputs.samples, tc.micro_batch_tokens, batch_linear=True)
+    if every_sample or tc.kl_coef > 0:
+        return inputs, pack(inputs.samples, tc.micro_batch_tokens, batch_linear=True)
+    samples, offsets = inputs.with_gradient(whole_episodes=sequence_level(tc))
+    return inputs, pack(samples, tc.micro_batch_tokens, batch_linear=True, offsets=offsets)
 
 
 def guarded(intake: Intake, groups: list[Group], step: int, attempt: Callable[[list[Group]], T],
@@ -85,7 +91,7 @@ def guarded_step(engine, intake: Intake, tc: TrainerConfig, groups: list[Group],
         return step_inputs, step_rows, stats
 
     def probe(traj: Trajectory) -> None:
-        one_inputs, one_rows = prepare([[traj]], tc)
+        one_inputs, one_rows = prepare([[traj]], tc, every_sample=True)
         with torch.no_grad():
             for row in one_rows:
                 micro_batch(engine.model, row, one_inputs, tc, engine.ref)

@@ -313,7 +313,7 @@ def first_plan(intake: Intake, state: TrainState) -> Plan:
 def next_batch(intake: Intake, tc: TrainerConfig, state: TrainState, stop: Callable[[], bool]):
     """(groups, step inputs, packed rows) of the next step, or None when stopping."""
     def probe(traj):
-        prepare([[traj]], tc)
+        prepare([[traj]], tc, every_sample=True)
 
     while True:
         groups = intake.gather(tc.batch_groups, state.lineage.ordinal(state.version), state.step, stop)
@@ -373,7 +373,7 @@ def step_metrics(stats, inputs, staleness: list[int], groups, lr: float, state: 
     out = {
         "train/loss": stats.loss, "train/pg_loss": stats.pg, "train/kl": stats.kl,
         "train/clip_frac": stats.clipped / max(1.0, stats.tokens), "train/grad_norm": stats.grad_norm,
-        "train/lr": lr, "train/ratio_max": stats.ratio_max, "train/tokens": stats.tokens,
+        "train/lr": lr, "train/ratio_max": stats.ratio_max, "train/tokens": inputs.n_tokens,
         "train/forward_tokens": stats.forward_tokens,
         "train/micro_batches": stats.rows,
         "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),

@@ -54,7 +54,7 @@ def groups(s: Sampler) -> list[list[Trajectory]]:
 
 def step(model: torch.nn.Module, batch, trees: bool) -> tuple[dict, float, dict, int, int]:
     tc = TrainerConfig.of(micro_batch_tokens=BUDGET, prefix_trees=trees, lr=1e-3)
-    inputs, rows = prepare(batch, tc)
+    inputs, rows = prepare(batch, tc, every_sample=True)  # every token's logprob, in both layouts
     model.zero_grad()
     stats = accumulate(model, rows, inputs, tc, lambda loss, last: loss.backward())
     logprobs: dict[tuple, list[float]] = defaultdict(list)

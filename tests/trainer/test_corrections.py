@@ -239,7 +239,7 @@ def test_sequence_weights_with_group_prefix_trees_split_over_micro_batches():
     for trees in (False, True):
         cfg = TrainerConfig.of(micro_batch_tokens=96, prefix_trees=trees, rollout_correction="sequence_truncate",
                                is_cap=1.0)
-        inputs, rows = prepare(batch, cfg)
+        inputs, rows = prepare(batch, cfg, every_sample=True)  # the same tokens in both layouts
         out[trees] = run_step(model, inputs, rows, cfg)
     assert out[True][2], "an episode's tokens should span micro-batches of the split trees"
     assert 0 < out[False][0].truncated < out[False][0].tokens  # cut to 1: the episodes above 1

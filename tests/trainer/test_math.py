@@ -148,3 +148,20 @@ def test_dict_rewards_map_each_sample_to_its_agent():
     step = build_step([[member(0, 1.0, 5.0), member(1, 0.0, 1.0)]], advantage="no_std", loss_agg="token_mean",
                       prefix_trees=False)
     assert step.advantages.tolist() == [0.5, 2.0, -0.5, -2.0]
+
+
+def test_the_samples_with_a_gradient_keep_a_sequence_correction_s_whole_episodes():
+    def member(i, ra, rb):
+        a = Sample((1, 2), (-1, 0), (0, 1), (0.0, -0.5), (-1, 0), (-1, 0), MODEL, ("a",), (f"e{i}",), (ra,))
+        b = Sample((3, 4), (-1, 0), (0, 1), (0.0, -0.5), (-1, 0), (-1, 0), MODEL, ("b",), (f"e{i}",), (rb,))
+        return traj("g", i, size=2, reward={"a": ra, "b": rb}, samples=(a, b))
+
+    # agent a scores alike in both episodes (advantage 0), agent b does not
+    step = build_step([[member(0, 1.0, 5.0), member(1, 1.0, 1.0)]], advantage="no_std", loss_agg="token_mean",
+                      prefix_trees=False)
+    assert step.advantages.tolist() == [0.0, 2.0, 0.0, -2.0]
+    assert [(s.agents, f) for s, f in zip(*step.with_gradient())] == [(("b",), 1), (("b",), 3)]
+    assert [f for _, f in zip(*step.with_gradient(whole_episodes=True))] == [0, 1, 2, 3]
+    flat = build_step([[member(0, 1.0, 2.0), member(1, 1.0, 2.0)]], advantage="no_std", loss_agg="token_mean",
+                      prefix_trees=False)
+    assert flat.with_gradient() == (flat.samples[:1], [0])  # no signal: one sample, for a zero gradient

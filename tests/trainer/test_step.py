@@ -12,6 +12,7 @@ from jet.config import TrainerConfig
 from jet.timeline import merge_calls
 from jet.trainer.backend_torch import TorchBackend
 from jet.trainer.batch import build_step
+from jet.trainer.guard import prepare
 from jet.trainer.packing import pack
 from jet.trainer.step import accumulate
 from jet.wire import Trajectory
@@ -67,6 +68,40 @@ def test_a_bfloat16_step_on_cpu_changes_every_parameter_and_publishes_bfloat16_w
     for name, t in worker.model.state_dict().items():
         if name in live:
             assert torch.equal(t, live[name].detach().to(torch.bfloat16).float()), name
+
+
+@pytest.mark.parametrize("correction", ["token_truncate", "sequence_truncate"])
+@pytest.mark.parametrize("prefix_trees", [False, True])
+def test_samples_without_a_gradient_are_not_forwarded_and_the_steps_are_the_same(tiny_model, prefix_trees,
+                                                                                 correction):
+    """A group whose rewards are all equal has advantage 0 on every token: the trainer's rows leave it out
+    (without KL), and the step is the one that forwarding everything gives; a step with no signal at all
+    still backpropagates (one sample) so AdamW's moments move the weights as before."""
+    signal = [traj("s", 0, size=2, reward=1.0, calls=[call([1, 2, 3], [10, 11, 12])]),
+              traj("s", 1, size=2, reward=0.0, calls=[call([1, 2, 3], [20, 21])])]
+    none = [traj("n", 0, size=2, reward=0.0, calls=[call([4, 5, 6], [30, 31, 32])]),
+            traj("n", 1, size=2, reward=0.0, calls=[call([4, 5, 6], [40, 41])])]
+    cfg = TrainerConfig(lr=1e-2, prefix_trees=prefix_trees, rollout_correction=correction)
+    fast, full = TorchBackend(str(tiny_model), cfg), TorchBackend(str(tiny_model), cfg)
+    start = {n: p.detach().clone() for n, p in fast.model.named_parameters()}
+    for batch in ([signal, none], [none]):
+        inputs, rows = prepare(batch, cfg)
+        _, every = prepare(batch, cfg, every_sample=True)
+        forwarded = tuple(sum(r.n_real for r in rs) for rs in (rows, every))
+        # tokens forwarded, (trainer's rows, every sample): a group of two is 6 + 5 tokens, or 8 as one tree
+        assert forwarded == {(2, False): (11, 22), (2, True): (8, 16), (1, False): (6, 11),
+                             (1, True): (8, 8)}[len(batch), prefix_trees]
+        a, b = fast.train_step(rows, inputs, lr=cfg.lr), full.train_step(every, inputs, lr=cfg.lr)
+        assert a.loss == pytest.approx(b.loss, abs=1e-7) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
+        assert (a.grad_norm > 0) == (len(batch) == 2)
+        for (n, p), q in zip(fast.model.named_parameters(), full.model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=n)
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-3 * cfg.lr, msg=n)  # AdamW scales rounding up to ~lr
+    moved = [n for n, p in fast.model.named_parameters() if not torch.equal(p, start[n])]
+    assert len(moved) == len(start)
+    with_kl = TrainerConfig(kl_coef=0.1, prefix_trees=prefix_trees)  # KL has a gradient at any advantage
+    assert sum(r.n_real for r in prepare([signal, none], with_kl)[1]) == sum(
+        r.n_real for r in prepare([signal, none], with_kl, every_sample=True)[1])
 
 
 def test_a_checkpoint_round_trips_model_optimiser_and_rng(tiny_model, tmp_path):
