@@ -53,34 +53,15 @@ class StepInputs:
         adv = self.advantages[idx].masked_fill(~valid, 0.0)
         return adv, self.weights[idx].masked_fill(~valid, 0.0)
 
-    def with_gradient(self, whole_episodes: bool = False) -> tuple[list[Sample], list[int]]:
-        """The samples that have an entry with a nonzero advantage, each with its first entry's `seq`
-        number (`pack(..., offsets=)`). Without a KL term they are the only ones whose loss has a
-        gradient: a zero advantage zeroes the policy-gradient term of its tokens and that term's
-        gradient, exactly (a group whose rewards are all equal: `rollout/no_signal_frac`).
-        `whole_episodes` (a sequence-level rollout correction, whose weight is a statistic of all of an
-        episode's tokens) also keeps every sample of an episode that has such an entry (an agent's
-        samples at advantage 0 beside another agent's of the same episode). With none, the first sample
-        alone, so the step still backpropagates: a zero gradient is not no gradient to the optimiser
-        (AdamW's moments still move, and its step count)."""
-        firsts = [0]
-        for s in self.samples:
-            firsts.append(firsts[-1] + len(s.episode_ids))
-        live = [bool((self.advantages[a:b] != 0).any()) for a, b in zip(firsts, firsts[1:])]
-        if whole_episodes:
-            episodes = {e for s, on in zip(self.samples, live) if on for e in s.episode_ids}
-            live = [on or any(e in episodes for e in s.episode_ids) for s, on in zip(self.samples, live)]
-        if self.samples and not any(live):
-            return self.samples[:1], [0]
-        return [s for s, on in zip(self.samples, live) if on], [f for f, on in zip(firsts, live) if on]
-
 
 def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_agg: str,
-               prefix_trees: bool) -> StepInputs:
+               prefix_trees: bool, gradient_only: bool = False, whole_episodes: bool = False) -> StepInputs:
     """Inputs of one step from groups of successful trajectories (each group: its members); with
     `prefix_trees`, the samples that share a prefix merged into trees (`jet.timeline.share`), each
     entry's advantage and weight following its tokens. No default: the one default is the config's
-    (`trainer.prefix_trees`), which every caller passes on."""
+    (`trainer.prefix_trees`), which every caller passes on. `gradient_only`: the samples with no
+    gradient left out (`with_gradient`; `whole_episodes` as there), before any tree is built; the
+    weights, `n_tokens` and `rewards` still count every sample (the loss's aggregation is unchanged)."""
     if loss_agg not in AGGREGATIONS:
         raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {loss_agg!r}")
     samples: list[Sample] = []
@@ -99,6 +80,9 @@ def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_a
                     seq_of_entry.append((traj.msg_id, episode_id))
     tokens = _entry_tokens(samples)
     weights, n_seq = _weights(seq_of_entry, tokens, loss_agg)
+    if gradient_only:
+        samples, kept = with_gradient(samples, adv, whole_episodes)
+        adv, weights = [adv[e] for e in kept], [weights[e] for e in kept]
     if prefix_trees:
         trees = share_prefixes(samples)
         samples = [tree for tree, _ in trees]
@@ -106,6 +90,31 @@ def build_step(groups: Sequence[Sequence[Trajectory]], *, advantage: str, loss_a
         adv, weights = [adv[e] for e in entries], [weights[e] for e in entries]
     return StepInputs(samples, torch.tensor(adv, dtype=torch.float32), torch.tensor(weights, dtype=torch.float32),
                       n_tokens=sum(tokens), n_sequences=n_seq, rewards=rewards)
+
+
+def with_gradient(samples: Sequence[Sample], adv: Sequence[float], whole_episodes: bool = False
+                  ) -> tuple[list[Sample], list[int]]:
+    """The samples that have an entry with a nonzero advantage (`adv`: one per entry, in seq order),
+    and the indices of their entries. Without a KL term they are the only ones whose loss has a
+    gradient: a zero advantage zeroes the policy-gradient term of its tokens and that term's gradient,
+    exactly (a group whose rewards are all equal: `rollout/no_signal_frac`). `whole_episodes` (a
+    sequence-level rollout correction, whose weight is a statistic of all of an episode's tokens) also
+    keeps every sample of an episode that has such an entry (an agent's samples at advantage 0 beside
+    another agent's in the same episode). With none, the first sample alone, so the step still
+    backpropagates: a zero gradient is not no gradient to the optimiser (AdamW's moments still move the
+    weights, and its step count)."""
+    firsts = [0]
+    for s in samples:
+        firsts.append(firsts[-1] + len(s.episode_ids))
+    spans = list(zip(firsts, firsts[1:]))
+    live = [any(adv[e] != 0 for e in range(a, b)) for a, b in spans]
+    if whole_episodes:
+        episodes = {e for s, on in zip(samples, live) if on for e in s.episode_ids}
+        live = [on or any(e in episodes for e in s.episode_ids) for s, on in zip(samples, live)]
+    if samples and not any(live):
+        live[0] = True
+    kept = [i for i, on in enumerate(live) if on]
+    return [samples[i] for i in kept], [e for i in kept for e in range(*spans[i])]
 
 
 def _entry_tokens(samples: Sequence[Sample]) -> list[int]:

@@ -46,13 +46,11 @@ T = TypeVar("T")
 def prepare(trajectories: Sequence[Sequence[Trajectory]], tc: TrainerConfig, *,
             every_sample: bool = False) -> tuple[StepInputs, list[Row]]:
     """A step's inputs (advantages, weights) and packed rows from groups of trajectories. The rows hold
-    only the samples whose loss has a gradient (`StepInputs.with_gradient`) unless KL is on (its term
-    has a gradient at any advantage) or `every_sample` (a probe, which must run each sample's tokens)."""
-    inputs = build_step(trajectories, advantage=tc.advantage, loss_agg=tc.loss_agg, prefix_trees=tc.prefix_trees)
-    if every_sample or tc.kl_coef > 0:
-        return inputs, pack(inputs.samples, tc.micro_batch_tokens, batch_linear=True)
-    samples, offsets = inputs.with_gradient(whole_episodes=sequence_level(tc))
-    return inputs, pack(samples, tc.micro_batch_tokens, batch_linear=True, offsets=offsets)
+    only the samples whose loss has a gradient (`jet.trainer.batch.with_gradient`) unless KL is on (its
+    term has a gradient at any advantage) or `every_sample` (a probe, which must run each sample's tokens)."""
+    inputs = build_step(trajectories, advantage=tc.advantage, loss_agg=tc.loss_agg, prefix_trees=tc.prefix_trees,
+                        gradient_only=not every_sample and tc.kl_coef == 0, whole_episodes=sequence_level(tc))
+    return inputs, pack(inputs.samples, tc.micro_batch_tokens, batch_linear=True)
 
 
 def guarded(intake: Intake, groups: list[Group], step: int, attempt: Callable[[list[Group]], T],

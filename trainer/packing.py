@@ -121,16 +121,15 @@ def tree_attention_mask(subtree_end: torch.Tensor, dtype: torch.dtype = torch.fl
 
 
 def pack(samples: Sequence[Sample], max_tokens: int, *, share_rows: bool = True,
-         batch_linear: bool = False, offsets: Sequence[int] | None = None) -> list[Row]:
+         batch_linear: bool = False) -> list[Row]:
     """First-fit-decreasing packing of samples into rows of at most `max_tokens`.
 
     With share_rows=False every sample (or piece) gets its own row, which lets
     linear samples use the causal fast path; with True, rows are filled. With
     batch_linear=True, linear samples go into padded batches (`batch_rows`) and
-    only trees are packed. `offsets`: each sample's first `seq` number when `samples` are some of a
-    step's (default: `seq_offsets`, all of them in order).
+    only trees are packed.
     """
-    offsets = seq_offsets(samples) if offsets is None else offsets
+    offsets = seq_offsets(samples)
     pieces = [(piece, first) for s, first in zip(samples, offsets) for piece in split_sample(s, max_tokens)]
     pieces.sort(key=lambda p: len(p[0]), reverse=True)
     batched: list[Row] = []

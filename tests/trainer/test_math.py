@@ -157,11 +157,15 @@ def test_the_samples_with_a_gradient_keep_a_sequence_correction_s_whole_episodes
         return traj("g", i, size=2, reward={"a": ra, "b": rb}, samples=(a, b))
 
     # agent a scores alike in both episodes (advantage 0), agent b does not
-    step = build_step([[member(0, 1.0, 5.0), member(1, 1.0, 1.0)]], advantage="no_std", loss_agg="token_mean",
-                      prefix_trees=False)
-    assert step.advantages.tolist() == [0.0, 2.0, 0.0, -2.0]
-    assert [(s.agents, f) for s, f in zip(*step.with_gradient())] == [(("b",), 1), (("b",), 3)]
-    assert [f for _, f in zip(*step.with_gradient(whole_episodes=True))] == [0, 1, 2, 3]
+    group = [member(0, 1.0, 5.0), member(1, 1.0, 1.0)]
+    every = build_step([group], advantage="no_std", loss_agg="token_mean", prefix_trees=False)
+    assert every.advantages.tolist() == [0.0, 2.0, 0.0, -2.0]
+    only = build_step([group], advantage="no_std", loss_agg="token_mean", prefix_trees=False, gradient_only=True)
+    assert [s.agents for s in only.samples] == [("b",), ("b",)] and only.advantages.tolist() == [2.0, -2.0]
+    assert only.weights.tolist() == [0.25, 0.25] and (only.n_tokens, only.rewards) == (4, every.rewards)
+    whole = build_step([group], advantage="no_std", loss_agg="token_mean", prefix_trees=False, gradient_only=True,
+                       whole_episodes=True)
+    assert whole.samples == every.samples and whole.advantages.tolist() == every.advantages.tolist()
     flat = build_step([[member(0, 1.0, 2.0), member(1, 1.0, 2.0)]], advantage="no_std", loss_agg="token_mean",
-                      prefix_trees=False)
-    assert flat.with_gradient() == (flat.samples[:1], [0])  # no signal: one sample, for a zero gradient
+                      prefix_trees=False, gradient_only=True)
+    assert flat.samples == every.samples[:1] and flat.advantages.tolist() == [0.0]  # for a zero gradient

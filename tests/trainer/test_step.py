@@ -77,21 +77,24 @@ def test_samples_without_a_gradient_are_not_forwarded_and_the_steps_are_the_same
     """A group whose rewards are all equal has advantage 0 on every token: the trainer's rows leave it out
     (without KL), and the step is the one that forwarding everything gives; a step with no signal at all
     still backpropagates (one sample) so AdamW's moments move the weights as before."""
-    signal = [traj("s", 0, size=2, reward=1.0, calls=[call([1, 2, 3], [10, 11, 12])]),
-              traj("s", 1, size=2, reward=0.0, calls=[call([1, 2, 3], [20, 21])])]
-    none = [traj("n", 0, size=2, reward=0.0, calls=[call([4, 5, 6], [30, 31, 32])]),
-            traj("n", 1, size=2, reward=0.0, calls=[call([4, 5, 6], [40, 41])])]
+    # the two groups share a prompt prefix (a chat template's), so with trees every sample is in ONE tree
+    signal = [traj("s", 0, size=2, reward=1.0, calls=[call([1, 2, 3, 7], [10, 11, 12])]),
+              traj("s", 1, size=2, reward=0.0, calls=[call([1, 2, 3, 7], [20, 21])])]
+    none = [traj("n", 0, size=2, reward=0.0, calls=[call([1, 2, 3, 8], [30, 31, 32])]),
+            traj("n", 1, size=2, reward=0.0, calls=[call([1, 2, 3, 8], [40, 41])])]
     cfg = TrainerConfig(lr=1e-2, prefix_trees=prefix_trees, rollout_correction=correction)
     fast, full = TorchBackend(str(tiny_model), cfg), TorchBackend(str(tiny_model), cfg)
     start = {n: p.detach().clone() for n, p in fast.model.named_parameters()}
     for batch in ([signal, none], [none]):
         inputs, rows = prepare(batch, cfg)
-        _, every = prepare(batch, cfg, every_sample=True)
+        all_inputs, every = prepare(batch, cfg, every_sample=True)
+        assert (inputs.n_tokens, inputs.rewards) == (all_inputs.n_tokens, all_inputs.rewards)
         forwarded = tuple(sum(r.n_real for r in rs) for rs in (rows, every))
-        # tokens forwarded, (trainer's rows, every sample): a group of two is 6 + 5 tokens, or 8 as one tree
-        assert forwarded == {(2, False): (11, 22), (2, True): (8, 16), (1, False): (6, 11),
-                             (1, True): (8, 8)}[len(batch), prefix_trees]
-        a, b = fast.train_step(rows, inputs, lr=cfg.lr), full.train_step(every, inputs, lr=cfg.lr)
+        # tokens forwarded, (trainer's rows, every sample): a group is 7 + 6 tokens, or 9 as a tree, and 15
+        # for both groups' tree; with no signal at all the rows hold one sample (7 tokens)
+        assert forwarded == {(2, False): (13, 26), (2, True): (9, 15), (1, False): (7, 13),
+                             (1, True): (7, 9)}[len(batch), prefix_trees]
+        a, b = fast.train_step(rows, inputs, lr=cfg.lr), full.train_step(every, all_inputs, lr=cfg.lr)
         assert a.loss == pytest.approx(b.loss, abs=1e-7) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
         assert (a.grad_norm > 0) == (len(batch) == 2)
         for (n, p), q in zip(fast.model.named_parameters(), full.model.parameters()):
