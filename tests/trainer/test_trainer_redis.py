@@ -251,7 +251,8 @@ def test_a_stop_during_a_long_step_abandons_it_and_a_restart_trains_it(tiny_mode
     from jet.trainer.step import DELAY_ENV
 
     config = write_config(tmp_path / "c.yaml", keys.run, tiny_model, tmp_path / "runs", steps=1,
-                          checkpoint_every=1, batch_groups=2, micro_batch_tokens=12, prefix_trees=False)
+                          checkpoint_every=1, batch_groups=2, micro_batch_tokens=12, prefix_trees=False,
+                          kl_coef=0.01)  # KL on: every sample is forwarded, signal or not, so the step is long
     cfg = load_file(config)
     log = tmp_path / "trainer.log"
     rng = random.Random(3)
