@@ -29,6 +29,7 @@ import torch
 from jet.timeline import Sample
 from jet.timeline.share import share_prefixes
 from jet.trainer.advantages import member_advantages
+from jet.trainer.packing import seq_offsets
 from jet.wire import Trajectory
 
 AGGREGATIONS = ("token_mean", "seq_mean")
@@ -103,10 +104,8 @@ def with_gradient(samples: Sequence[Sample], adv: Sequence[float], whole_episode
     another agent's in the same episode). With none, the first sample alone, so the step still
     backpropagates: a zero gradient is not no gradient to the optimiser (AdamW's moments still move the
     weights, and its step count)."""
-    firsts = [0]
-    for s in samples:
-        firsts.append(firsts[-1] + len(s.episode_ids))
-    spans = list(zip(firsts, firsts[1:]))
+    firsts = seq_offsets(samples)
+    spans = list(zip(firsts, firsts[1:] + [len(adv)]))
     live = [any(adv[e] != 0 for e in range(a, b)) for a, b in spans]
     if whole_episodes:
         episodes = {e for s, on in zip(samples, live) if on for e in s.episode_ids}
