@@ -22,8 +22,16 @@ from jet.config import TrainerConfig
 
 
 def make_adamw(params: Iterable[torch.nn.Parameter], cfg: TrainerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay)
+    """AdamW, fused (one kernel over all tensors) where torch has that kernel for every parameter's device
+    and dtype, else torch's default. The same update within float rounding
+    (`tests/trainer/test_step.py`); on a CPU it takes a fifth of the time of the per-tensor loop torch
+    uses there by default: 0.15 s against 0.71 s a step on SmolLM2-135M with one thread."""
+    params = list(params)
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except RuntimeError:  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, **kwargs)
 
 
 def lr_at(step: int, cfg: TrainerConfig) -> float:
@@ -52,12 +60,17 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.T
     return tensors, groups
 
 
+KERNEL = ("fused", "foreach")  # how a torch optimiser computes its update, not what the update is
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]):
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in groups]
+    # the kernel (fused, foreach) stays this optimiser's own choice: a checkpoint taken by another kernel loads
+    kernel = [{k: g[k] for k in KERNEL if k in g} for g in optimizer.param_groups]
+    groups = [{**{k: tuple(v) if k == "betas" else v for k, v in g.items()}, **own} for g, own in zip(groups, kernel)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

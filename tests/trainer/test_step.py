@@ -125,6 +125,40 @@ def test_a_checkpoint_round_trips_model_optimiser_and_rng(tiny_model, tmp_path):
         assert torch.equal(p, q), n
 
 
+def test_the_fused_adamw_gives_the_per_tensor_update_and_a_checkpoint_of_either_loads_into_it(tiny_model, tmp_path):
+    """The trainer's AdamW is fused on a CPU; three steps give the weights torch's per-tensor AdamW gives,
+    and a checkpoint the per-tensor one wrote resumes into the fused one, which stays fused."""
+    from jet.trainer import optim
+
+    cfg = TrainerConfig(lr=1e-3, weight_decay=0.1)
+    inputs = build_step(small_batch(), advantage="grpo", loss_agg="token_mean", prefix_trees=False)
+    rows = pack(inputs.samples, 64)
+    fused, plain = TorchBackend(str(tiny_model), cfg), TorchBackend(str(tiny_model), cfg)
+    assert fused.optimizer.param_groups[0]["fused"] is True
+    plain.optimizer = torch.optim.AdamW(plain.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                                        weight_decay=cfg.weight_decay)
+    assert not plain.optimizer.param_groups[0]["fused"]
+
+    def same(a, b):
+        moved = 0
+        for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-3 * cfg.lr, msg=n)  # rounding, scaled up to ~lr
+            moved += not torch.equal(p, start[n])
+        assert moved == len(start)
+
+    start = {n: p.detach().clone() for n, p in fused.model.named_parameters()}
+    for _ in range(3):
+        fused.train_step(rows, inputs, lr=cfg.lr), plain.train_step(rows, inputs, lr=cfg.lr)
+    same(fused, plain)
+    plain.save(tmp_path)
+    resumed = TorchBackend(str(tiny_model), cfg)
+    resumed.load(tmp_path)
+    assert resumed.optimizer.param_groups[0]["fused"] is True
+    assert set(optim.KERNEL) <= set(resumed.optimizer.param_groups[0])
+    resumed.train_step(rows, inputs, lr=cfg.lr), plain.train_step(rows, inputs, lr=cfg.lr)
+    same(resumed, plain)
+
+
 def as_trajectories(eps, mode: str) -> list[list[Trajectory]]:
     """Episodes 0-1 and 2-4 as two GRPO groups; each episode merged on its own, as env workers do."""
     out = []
