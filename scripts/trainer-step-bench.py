@@ -1,6 +1,9 @@
-"""Seconds of one trainer step's forward+backward on a real model, the trainer's layout against the old one.
+"""Seconds of one trainer step's forward+backward on a real model, the trainer's layout against the old one;
+with `--part optimizer`, its AdamW step against torch's per-tensor one; with `--part publish`, writing a
+version (`jet.trainer.weights.write_weights`) against the same with every tensor copied out first.
 
     python scripts/trainer-step-bench.py MODEL_DIR [--threads 1] [--samples 32] [--budget 2048]
+    python scripts/trainer-step-bench.py MODEL_DIR --part optimizer|publish [--repeats 6]
 
 The workload is the `add` task's shape: linear samples of 40-50 prompt tokens and 24 completion tokens.
 Baseline (measured in the same run): every sample packed back to back in rows of `--budget` tokens
@@ -26,9 +29,16 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--part", choices=["step", "optimizer", "publish"], default="step")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
+
+    if a.part != "step":
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+        print(json.dumps({"model": a.model, "threads": a.threads, **(optimizer if a.part == "optimizer" else publish)(
+            model, a.repeats)}))
+        return
 
     from jet.timeline import Call, merge_calls
     from jet.trainer.losses import token_logprobs
@@ -70,6 +80,61 @@ def main() -> None:
     before, now = (min(v["seconds"]) for v in out["layouts"].values())
     out["speedup"] = round(before / now, 2)
     print(json.dumps(out))
+
+
+def alternate(sides: dict, repeats: int) -> dict:
+    """Each side's seconds, the sides alternating (the first call of each a warm-up), and before/now."""
+    for fn in sides.values():
+        fn()
+    seconds = {name: [] for name in sides}
+    for i in range(repeats):
+        for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            t = time.perf_counter()
+            sides[name]()
+            seconds[name].append(round(time.perf_counter() - t, 3))
+    before, now = (sorted(v)[len(v) // 2] for v in seconds.values())
+    return {"seconds": seconds, "median_ratio": round(before / now, 2)}
+
+
+def optimizer(model, repeats: int) -> dict:
+    """torch's AdamW as a CPU gets it by default (a loop over tensors) against the trainer's (`make_adamw`)."""
+    from jet.config import TrainerConfig
+    from jet.trainer.optim import make_adamw
+
+    cfg, params = TrainerConfig(), list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    plain = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                              weight_decay=cfg.weight_decay)
+    trainer = make_adamw(params, cfg)
+    return {"fused": trainer.param_groups[0]["fused"],
+            **alternate({"per-tensor AdamW (before)": plain.step, "the trainer's AdamW (now)": trainer.step}, repeats)}
+
+
+def publish(model, repeats: int) -> dict:
+    """`write_weights` as the trainer runs it, against the same with every tensor copied out first (before)."""
+    import tempfile
+    from pathlib import Path
+
+    from jet.trainer import weights
+
+    whole = weights.whole_storage
+    folder = Path(tempfile.mkdtemp())
+
+    def write(copy: bool):
+        weights.whole_storage = (lambda t: False) if copy else whole
+        try:
+            weights.write_weights(model, folder / ("copy" if copy else "now"))
+        finally:
+            weights.whole_storage = whole
+
+    try:
+        return alternate({"every tensor copied (before)": lambda: write(True),
+                          "whole-storage tensors as they are (now)": lambda: write(False)}, repeats)
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
