@@ -104,9 +104,7 @@ def optimizer(model, repeats: int) -> dict:
     cfg, params = TrainerConfig(), list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    plain = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                              weight_decay=cfg.weight_decay)
-    trainer = make_adamw(params, cfg)
+    plain, trainer = make_adamw(params, cfg, fused=False), make_adamw(params, cfg)
     return {"fused": trainer.param_groups[0]["fused"],
             **alternate({"per-tensor AdamW (before)": plain.step, "the trainer's AdamW (now)": trainer.step}, repeats)}
 

@@ -135,8 +135,7 @@ def test_the_fused_adamw_gives_the_per_tensor_update_and_a_checkpoint_of_either_
     rows = pack(inputs.samples, 64)
     fused, plain = TorchBackend(str(tiny_model), cfg), TorchBackend(str(tiny_model), cfg)
     assert fused.optimizer.param_groups[0]["fused"] is True
-    plain.optimizer = torch.optim.AdamW(plain.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                                        weight_decay=cfg.weight_decay)
+    plain.optimizer = optim.make_adamw(plain.params, cfg, fused=False)
     assert not plain.optimizer.param_groups[0]["fused"]
 
     def same(a, b):
