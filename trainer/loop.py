@@ -374,7 +374,7 @@ def step_metrics(stats, inputs, staleness: list[int], groups, lr: float, state: 
         "train/loss": stats.loss, "train/pg_loss": stats.pg, "train/kl": stats.kl,
         "train/clip_frac": stats.clipped / max(1.0, stats.tokens), "train/grad_norm": stats.grad_norm,
         "train/lr": lr, "train/ratio_max": stats.ratio_max, "train/tokens": inputs.n_tokens,
-        "train/forward_tokens": stats.forward_tokens,
+        "train/forward_tokens": stats.forward_tokens, "train/entropy": stats.nll / max(1.0, stats.tokens),
         "train/micro_batches": stats.rows,
         "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),
         "rollout/groups": len(groups), "rollout/trajectories": len(inputs.rewards),

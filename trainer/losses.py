@@ -183,6 +183,7 @@ class LossTerms:
     ratio_max: torch.Tensor  # largest ratio current/behaviour over trained tokens (0 if none), either objective
     masked: torch.Tensor  # trained tokens the rollout correction's mask dropped (decoupled only)
     truncated: torch.Tensor  # trained tokens whose behaviour weight the cap cut (decoupled only)
+    nll: torch.Tensor  # sum over trained tokens of -logprob under the current weights (detached)
 
 
 def ppo_loss(
@@ -247,4 +248,5 @@ def ppo_loss(
         ratio_max=behaviour_ratio.masked_fill(~trained, 0.0).max() if trained.any() else zero,
         masked=masked.sum(),
         truncated=truncated.sum(),
+        nll=-(logprobs.detach().masked_fill(~trained, 0.0)).sum(),
     )

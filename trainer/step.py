@@ -59,10 +59,12 @@ class StepStats:
     ratio_max: float = 0.0
     masked: float = 0.0  # trained tokens the rollout correction's mask dropped (policy/is_masked_frac)
     truncated: float = 0.0  # trained tokens whose behaviour weight was cut at is_cap (policy/is_truncated_frac)
+    nll: float = 0.0  # sum of -logprob over trained tokens: / tokens, the sampled entropy estimate (train/entropy)
     grad_norm: float = 0.0  # global L2 norm before clipping
     micro_batch_s: float = 0.0  # the longest micro-batch's forward/backward (s)
 
-    SUMMED = ("loss", "pg", "kl", "tokens", "clipped", "row_tokens", "forward_tokens", "rows", "masked", "truncated")
+    SUMMED = ("loss", "pg", "kl", "tokens", "clipped", "row_tokens", "forward_tokens", "rows", "masked", "truncated",
+              "nll")
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, k) for k in self.SUMMED], dtype=torch.float64)
@@ -110,6 +112,7 @@ def accumulate(model, rows: Sequence[Row | None], inputs: StepInputs, cfg: Train
         stats.clipped += float(terms.clipped)
         stats.masked += float(terms.masked)
         stats.truncated += float(terms.truncated)
+        stats.nll += float(terms.nll)
         stats.row_tokens += row.n_tokens
         stats.forward_tokens += row.n_real
         stats.rows += 1

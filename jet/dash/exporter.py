@@ -25,6 +25,7 @@ TRAINER = {
     "train/loss": ("jet_trainer_loss", "Loss of the last step."),
     "train/kl": ("jet_trainer_kl", "KL term of the last step."),
     "train/clip_frac": ("jet_trainer_clip_fraction", "Fraction of clipped tokens in the last step."),
+    "train/entropy": ("jet_trainer_entropy", "Mean -logprob of the last step's trained tokens (sampled entropy)."),
     "policy/version": ("jet_trainer_weight_version", "Weight version the trainer is at."),
 }
 

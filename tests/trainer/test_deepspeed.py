@@ -96,6 +96,7 @@ def test_deepspeed_two_ranks_match_the_torch_backend(stage, lora, torch_runs, ti
         assert b["train/tokens"] == a["train/tokens"]
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-7), a["step"]
         assert b["train/kl"] == pytest.approx(a["train/kl"], rel=1e-3, abs=1e-8), a["step"]
+        assert b["train/entropy"] == pytest.approx(a["train/entropy"], rel=1e-4), a["step"]  # summed over ranks
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-3), a["step"]
     assert ds[-1]["policy/version"] == STEPS
     ckpt = tmp_path / "runs" / f"{keys.run}d" / "trainer" / MODEL / "checkpoints"

@@ -71,6 +71,7 @@ def test_ppo_loss_by_hand():
     close(t.loss.item(), (-1 - 1.2 + 0.8) / 3)
     assert (t.tokens.item(), t.clipped.item()) == (3, 2)
     close(t.ratio_max.item(), 2.0, 1e-5)
+    close(t.nll.item(), -math.log(0.5 * 0.2 * 0.4), 1e-5)  # the trained tokens' -logprob, the masked one left out
     t.loss.backward()
     # only the unclipped token carries gradient: d(-r A w)/d lp = -r A w = -1/3
     assert lp.grad.tolist()[0] == pytest.approx([0.0, -1 / 3, 0.0, 0.0], abs=1e-6)

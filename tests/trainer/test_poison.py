@@ -16,6 +16,7 @@ Against a real Redis and the real trainer loop on a tiny model:
 
 from __future__ import annotations
 
+import math
 import random
 
 import anyio
@@ -132,6 +133,7 @@ def test_long_episodes_are_split_truncated_or_dead_lettered_alone(policy, tiny_m
     row = read(trainer_dir(cfg) / "metrics.jsonl")[-1]
     dead = dead_letters(redis_url, keys)
     long_one = cut[0].msg_id
+    assert 0 < row["train/entropy"] < 2 * math.log(512)  # untrained tiny model: near log(its 512-token vocabulary)
     if policy == "truncate":
         assert dead == {}
         check_ledger_and_dead(cfg, redis_url, keys, produced, set(), {t.msg_id for t in produced})

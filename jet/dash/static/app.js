@@ -170,6 +170,7 @@ const CHARTS = [
   ["Loss", n => n === "train/loss" || n === "train/pg_loss"],
   ["KL", n => n === "train/kl"],
   ["Clip fraction", n => n === "train/clip_frac"],
+  ["Entropy (sampled estimate, nats/token)", n => n === "train/entropy"],
   ["Staleness (versions)", n => n === "policy/staleness" || n === "policy/staleness_max"],
   ["Trajectories: trained / stale / dropped (total)",
    n => ["counts/trained", "counts/stale", "counts/small_group", "counts/failed", "counts/poison"].includes(n)],
