@@ -9,7 +9,9 @@ Admission (`trainer.admission: staleness`, the default): a trained model's
 episodes start only while the trajectories admitted for it and not yet decided
 by its trainer (trained, stale, failed, dropped with a small group, malformed,
 poison) stay within `(max_staleness + 1) x batch_groups` groups, so the swarm
-never generates a sample only for it to arrive stale (AReaL's admission rule).
+never generates a sample only for it to arrive stale (AReaL's admission rule);
+with `trainer.skip_no_signal`, groups it will train: the window is divided by
+the share of done groups that had a signal (`signal_share`).
 Both counts live in the hash `Keys.rollout(model)`: `admitted`, which the
 feeder raises as it enqueues, and `counts`, the trainer's outcome counts,
 rewritten after every step (and restored from its checkpoint on a resume).
@@ -241,11 +243,16 @@ class Feeder:
             log.warning("feeder: %d admitted trajectories of %s were dead-lettered (`jet dlq list`); counted as "
                         "decided, so the admission window stays open", n, model)
 
-    def window(self, model: str) -> int:
-        """Trajectories of `model` that may be admitted and not yet decided: (max_staleness + 1) batches."""
+    def window(self, model: str, counts: dict[str, int] | None = None) -> int:
+        """Trajectories of `model` that may be admitted and not yet decided: (max_staleness + 1) batches of
+        groups its trainer will train. With `trainer.skip_no_signal` a batch takes more groups than it trains
+        (those with all-equal rewards are dropped), so the window is widened by the share of done groups
+        that had a signal, from the trainer's `counts` (`signal_share`): else the window fills with groups
+        about to be dropped while the trainer steps, and generation waits for the step to end."""
         tc = self.cfg.trainer_of(model)
         size = max(t.group_size for t in self.cfg.tasks if t.model == model)
-        return (tc.max_staleness + 1) * tc.batch_groups * size
+        base = (tc.max_staleness + 1) * tc.batch_groups * size
+        return round(base / signal_share(counts or {})) if tc.skip_no_signal else base
 
     async def flow(self, model: str) -> tuple[int, dict[str, int]]:
         """(trajectories admitted, the trainer's outcome counts and the feeder's `dead`) of `model`, from
@@ -273,7 +280,7 @@ class Feeder:
             if admitted < done:  # a trainer resumed on a fresh server: start the window from its count
                 await self.r.hset(self.keys.rollout(model), "admitted", done)
                 admitted = done
-            out[model] = max(0, self.window(model) - (admitted - done))
+            out[model] = max(0, self.window(model, counts) - (admitted - done))
             self.outcomes[model] = counts
         return out
 
@@ -313,6 +320,17 @@ class Feeder:
 # Outcomes that end an admitted trajectory: the trainer's (`jet.keys.ENDING`, and `poison`: a
 # member the trainer dead-lettered) and the feeder's own `dead` (dead-lettered before any trainer outcome).
 FINAL = (*ENDING, "poison", "dead")
+
+
+SIGNAL_SHARE_FLOOR = 1 / 8  # the widest window skip_no_signal opens: 8 times the batches it would train
+
+
+def signal_share(counts: dict[str, int]) -> float:
+    """The share of a trainer's done groups that had a signal (trained, not dropped by `skip_no_signal`),
+    from its outcome counts, with one trained group counted in advance (1 before any count), and never
+    below SIGNAL_SHARE_FLOOR: a model whose rewards never vary does not open an unbounded window."""
+    trained, dropped = int(counts.get("groups_trained", 0)), int(counts.get("groups_no_signal", 0))
+    return max(SIGNAL_SHARE_FLOOR, (trained + 1) / (trained + dropped + 1))
 
 
 def decided(counts: dict[str, int]) -> int:
