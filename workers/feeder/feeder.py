@@ -11,7 +11,7 @@ by its trainer (trained, stale, failed, dropped with a small group, malformed,
 poison) stay within `(max_staleness + 1) x batch_groups` groups, so the swarm
 never generates a sample only for it to arrive stale (AReaL's admission rule);
 with `trainer.skip_no_signal`, groups it will train: the window is divided by
-the share of done groups that had a signal (`signal_share`).
+the share of recent done groups that had a signal (`Feeder.recent_share`).
 Both counts live in the hash `Keys.rollout(model)`: `admitted`, which the
 feeder raises as it enqueues, and `counts`, the trainer's outcome counts,
 rewritten after every step (and restored from its checkpoint on a resume).
@@ -66,6 +66,7 @@ class Feeder:
         self.rewards: list[float] = []
         self.enqueued = {t.name: 0 for t in cfg.tasks}
         self.outcomes: dict[str, dict[str, int]] = {}  # model -> its trainer's outcome counts (admission)
+        self.signal_seen: dict[str, list[tuple[int, int]]] = {}  # model -> (groups trained, dropped) seen (skip)
         self.last_report: list[tuple] = []
         self._cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._cm.__enter__()
@@ -243,16 +244,32 @@ class Feeder:
             log.warning("feeder: %d admitted trajectories of %s were dead-lettered (`jet dlq list`); counted as "
                         "decided, so the admission window stays open", n, model)
 
-    def window(self, model: str, counts: dict[str, int] | None = None) -> int:
+    def window(self, model: str, share: float = 1.0) -> int:
         """Trajectories of `model` that may be admitted and not yet decided: (max_staleness + 1) batches of
         groups its trainer will train. With `trainer.skip_no_signal` a batch takes more groups than it trains
-        (those with all-equal rewards are dropped), so the window is widened by the share of done groups
-        that had a signal, from the trainer's `counts` (`signal_share`): else the window fills with groups
-        about to be dropped while the trainer steps, and generation waits for the step to end."""
+        (those with all-equal rewards are dropped), so the window is divided by the `share` of recent done
+        groups that had a signal (`recent_share`): else it fills with groups about to be dropped while the
+        trainer steps, and generation waits for the step to end."""
         tc = self.cfg.trainer_of(model)
         size = max(t.group_size for t in self.cfg.tasks if t.model == model)
         base = (tc.max_staleness + 1) * tc.batch_groups * size
-        return round(base / signal_share(counts or {})) if tc.skip_no_signal else base
+        return round(base / share) if tc.skip_no_signal else base
+
+    def recent_share(self, model: str, counts: dict[str, int]) -> float:
+        """`signal_share` over the last (max_staleness + 1) x batch_groups x 2 groups `model`'s trainer
+        decided (all of them while it has decided fewer): the share moves as the model learns, and a
+        window sized by an old, lower share admits more trainable groups than the bound lets it train."""
+        tc = self.cfg.trainer_of(model)
+        span = 2 * (tc.max_staleness + 1) * tc.batch_groups
+        now = int(counts.get("groups_trained", 0)), int(counts.get("groups_no_signal", 0))
+        seen = self.signal_seen.setdefault(model, [(0, 0)])
+        if now[0] < seen[-1][0] or now[1] < seen[-1][1]:  # counts went back (a group evicted, a resume)
+            seen[:] = [(0, 0)]
+        if now != seen[-1]:
+            seen.append(now)
+        older = [i for i, (t, d) in enumerate(seen) if sum(now) - t - d >= span]
+        del seen[:older[-1] if older else 0]  # keep the newest snapshot at least `span` groups back
+        return signal_share(now, seen[0])
 
     async def flow(self, model: str) -> tuple[int, dict[str, int]]:
         """(trajectories admitted, the trainer's outcome counts and the feeder's `dead`) of `model`, from
@@ -280,7 +297,7 @@ class Feeder:
             if admitted < done:  # a trainer resumed on a fresh server: start the window from its count
                 await self.r.hset(self.keys.rollout(model), "admitted", done)
                 admitted = done
-            out[model] = max(0, self.window(model, counts) - (admitted - done))
+            out[model] = max(0, self.window(model, self.recent_share(model, counts)) - (admitted - done))
             self.outcomes[model] = counts
         return out
 
@@ -325,11 +342,12 @@ FINAL = (*ENDING, "poison", "dead")
 SIGNAL_SHARE_FLOOR = 1 / 8  # the widest window skip_no_signal opens: 8 times the batches it would train
 
 
-def signal_share(counts: dict[str, int]) -> float:
-    """The share of a trainer's done groups that had a signal (trained, not dropped by `skip_no_signal`),
-    from its outcome counts, with one trained group counted in advance (1 before any count), and never
-    below SIGNAL_SHARE_FLOOR: a model whose rewards never vary does not open an unbounded window."""
-    trained, dropped = int(counts.get("groups_trained", 0)), int(counts.get("groups_no_signal", 0))
+def signal_share(now: tuple[int, int], before: tuple[int, int] = (0, 0)) -> float:
+    """The share of a trainer's groups that had a signal (trained, not dropped by `skip_no_signal`) between
+    two of its (groups trained, groups dropped with no signal) counts, with one trained group counted in
+    advance (1 before any), and never below SIGNAL_SHARE_FLOOR: a model whose rewards never vary does not
+    open an unbounded window."""
+    trained, dropped = max(0, now[0] - before[0]), max(0, now[1] - before[1])
     return max(SIGNAL_SHARE_FLOOR, (trained + 1) / (trained + dropped + 1))
 
 

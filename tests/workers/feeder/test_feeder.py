@@ -11,7 +11,7 @@ import anyio
 import orjson
 import redis
 
-from jet.workers.feeder.feeder import Feeder, allot, decided
+from jet.workers.feeder.feeder import SIGNAL_SHARE_FLOOR, Feeder, allot, decided, signal_share
 from jet.config import load
 from jet.keys import Keys
 
@@ -45,6 +45,13 @@ def test_decided_counts_only_final_outcomes():
     assert decided({"trained": 10, "stale": 2, "small_group": 3, "failed": 1, "malformed": 1, "poison": 1,
                     "no_signal": 8, "retried": 5, "duplicate": 4, "late": 2, "groups_trained": 7,
                     "groups_no_signal": 1}) == 26
+
+
+def test_signal_share_counts_one_trained_group_in_advance_and_has_a_floor():
+    assert signal_share((0, 0)) == 1.0  # nothing done yet: the window of the batches it trains
+    assert signal_share((3, 4)) == 0.5
+    assert signal_share((13, 4), (10, 0)) == 0.5  # between two counts
+    assert signal_share((0, 1000)) == SIGNAL_SHARE_FLOOR
 
 
 def config(tmp_path, **trainer):
@@ -188,5 +195,46 @@ def test_the_drain_waits_for_a_trainers_longest_micro_batch(embedded, tmp_path):
         assert feed.longest_micro_batch_s() == 0.0
         anyio.run(beats)
         assert feed.longest_micro_batch_s() == 12.5
+    finally:
+        feed.close()
+
+
+def test_with_skip_no_signal_the_window_widens_by_the_share_of_groups_with_a_signal(embedded, tmp_path):
+    """The trainer drops the groups whose rewards are all equal, so a batch takes more groups than it
+    trains: the window counts groups it will train. Without that the window fills with groups about to be
+    dropped while the trainer steps, and generation waits for every step to end."""
+    cfg = config(tmp_path, skip_no_signal=True)
+    feed = Feeder(cfg, embedded.url)
+    try:
+        assert feed.window("m") == 16  # no counts yet: as without skip_no_signal
+        for _ in range(3):
+            feed.tick()
+        assert backlog(embedded.url, cfg) == 16
+        # 1 group trained, 2 dropped with no signal (12 trajectories decided): a share of (1 + 1) / (3 + 1)
+        r = redis.Redis.from_url(embedded.url)
+        counts = {"trained": 4, "no_signal": 8, "groups_trained": 1, "groups_no_signal": 2}
+        r.hset(Keys(cfg.run).rollout("m"), "counts", orjson.dumps(counts))
+        feed.tick()
+        assert feed.window("m", feed.recent_share("m", counts)) == 32
+        assert backlog(embedded.url, cfg) == 16 + 12 + 16  # the decided ones, and 16 more in the wider window
+    finally:
+        feed.close()
+    plain = Feeder(config(tmp_path), embedded.url)  # without skip_no_signal the share leaves it alone
+    try:
+        assert plain.window("m", 0.5) == 16
+    finally:
+        plain.close()
+
+
+def test_the_share_follows_the_last_groups_decided_as_the_model_learns(embedded, tmp_path):
+    """Over the last 2 x (max_staleness + 1) x batch_groups = 8 groups: a window sized by the share of
+    the model's first groups, mostly wrong, would stay wide once it learned and admit more trainable groups
+    than the staleness bound lets it train (they would arrive stale)."""
+    feed = Feeder(config(tmp_path, skip_no_signal=True), embedded.url)
+    try:
+        assert feed.recent_share("m", {"groups_trained": 1, "groups_no_signal": 7}) == 2 / 9  # all so far
+        assert feed.recent_share("m", {"groups_trained": 9, "groups_no_signal": 7}) == 9 / 9  # the last 8: all
+        assert feed.recent_share("m", {"groups_trained": 11, "groups_no_signal": 13}) == 3 / 9
+        assert feed.recent_share("m", {"groups_trained": 2, "groups_no_signal": 1}) == 3 / 4  # counts went back
     finally:
         feed.close()
