@@ -244,16 +244,18 @@ class Feeder:
             log.warning("feeder: %d admitted trajectories of %s were dead-lettered (`jet dlq list`); counted as "
                         "decided, so the admission window stays open", n, model)
 
-    def window(self, model: str, share: float = 1.0) -> int:
+    def window(self, model: str, counts: dict[str, int] | None = None) -> int:
         """Trajectories of `model` that may be admitted and not yet decided: (max_staleness + 1) batches of
         groups its trainer will train. With `trainer.skip_no_signal` a batch takes more groups than it trains
-        (those with all-equal rewards are dropped), so the window is divided by the `share` of recent done
-        groups that had a signal (`recent_share`): else it fills with groups about to be dropped while the
-        trainer steps, and generation waits for the step to end."""
+        (those with all-equal rewards are dropped), so the window is divided by the share of recent done
+        groups that had a signal, from the trainer's outcome `counts` (`recent_share`): else it fills with
+        groups about to be dropped while the trainer steps, and generation waits for the step to end."""
         tc = self.cfg.trainer_of(model)
         size = max(t.group_size for t in self.cfg.tasks if t.model == model)
         base = (tc.max_staleness + 1) * tc.batch_groups * size
-        return round(base / share) if tc.skip_no_signal else base
+        if not tc.skip_no_signal or counts is None:
+            return base
+        return round(base / self.recent_share(model, counts))
 
     def recent_share(self, model: str, counts: dict[str, int]) -> float:
         """`signal_share` over the last (max_staleness + 1) x batch_groups x 2 groups `model`'s trainer
@@ -297,7 +299,7 @@ class Feeder:
             if admitted < done:  # a trainer resumed on a fresh server: start the window from its count
                 await self.r.hset(self.keys.rollout(model), "admitted", done)
                 admitted = done
-            out[model] = max(0, self.window(model, self.recent_share(model, counts)) - (admitted - done))
+            out[model] = max(0, self.window(model, counts) - (admitted - done))
             self.outcomes[model] = counts
         return out
 

@@ -215,13 +215,13 @@ def test_with_skip_no_signal_the_window_widens_by_the_share_of_groups_with_a_sig
         counts = {"trained": 4, "no_signal": 8, "groups_trained": 1, "groups_no_signal": 2}
         r.hset(Keys(cfg.run).rollout("m"), "counts", orjson.dumps(counts))
         feed.tick()
-        assert feed.window("m", feed.recent_share("m", counts)) == 32
+        assert feed.window("m", counts) == 32
         assert backlog(embedded.url, cfg) == 16 + 12 + 16  # the decided ones, and 16 more in the wider window
     finally:
         feed.close()
-    plain = Feeder(config(tmp_path), embedded.url)  # without skip_no_signal the share leaves it alone
+    plain = Feeder(config(tmp_path), embedded.url)  # without skip_no_signal the same counts leave it alone
     try:
-        assert plain.window("m", 0.5) == 16
+        assert plain.window("m", counts) == 16
     finally:
         plain.close()
 
